@@ -1,0 +1,36 @@
+# Self-documenting Makefile: `make help` lists every target with its description.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-slow lint bench eval study
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/bin/python:
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when a requirements file changed (fast no-op otherwise).
+$(STAMP): requirements.txt requirements-dev.txt | $(VENV)/bin/python
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv and install pinned runtime + dev dependencies (idempotent)
+
+train: setup ## Train the default small model on embedded Shakespeare (CPU, ~15 min); ARGS="key=value ..."
+	$(PY) train.py $(ARGS)
+
+test: setup ## Run the fast test suite (what CI runs)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: setup ## Run every test, including the multi-minute ones marked `slow`
+	$(PY) -m pytest -q -m "" $(ARGS)
+
+lint: setup ## Lint with ruff
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
