@@ -1,0 +1,222 @@
+"""LightningDataModule serving (input, target) windows of `max_len` tokens from the token cache.
+
+    dm = TextDataModule(source={"kind": "shakespeare"}, max_len=256, batch_size=32)
+    dm.prepare_data(); dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))   # (B, max_len) int64 each; y[:, t] == x[:, t + 1]
+
+Training batches are random windows; batch number i is a pure function of (seed, i), and the DataModule
+counts the batches the Lightning training loop has taken, so `state_dict()` / `load_state_dict()` (stored in
+checkpoints by Lightning) resume the exact batch stream. Validation/test use fixed contiguous windows.
+"""
+
+from collections.abc import Mapping
+
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from data import DataError
+from data.cache import TokenCache, prepare
+from data.tokenizer import Tokenizer
+
+
+class _TokenFile:
+    """Picklable handle on a split's token file; memory-maps it lazily (a pickled memmap would copy the data)."""
+
+    def __init__(self, cache: TokenCache, split: str):
+        self.cache_dir, self.split, self.n = cache.dir, split, cache.meta["splits"][split]["tokens"]
+        self.dtype = cache.dtype
+        self._tokens = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tokens": None}
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            path = f"{self.cache_dir}/{self.split}.bin"
+            self._tokens = (
+                np.memmap(path, dtype=self.dtype, mode="r", shape=(self.n,)) if self.n else np.empty(0)
+            )
+        return self._tokens
+
+
+def _window_pair(tokens: np.ndarray, starts: np.ndarray, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of max_len + 1 tokens at `starts` (B,) -> input (B, max_len), target (B, max_len) int64."""
+    w = torch.from_numpy(np.stack([tokens[s : s + max_len + 1] for s in starts]).astype(np.int64))
+    return w[:, :-1], w[:, 1:]
+
+
+class RandomWindows(IterableDataset):
+    """Yields whole training batches; batch i draws its B window starts from numpy's RNG seeded with (seed, i).
+
+    An "epoch" is len(self) batches (about one pass over the training tokens). Iteration starts at batch
+    `self.consumed` and stops at the end of that epoch. With DataLoader workers, worker w yields batches
+    i = w, w + W, ...; the DataLoader interleaves workers round-robin, so the order matches num_workers=0.
+    """
+
+    def __init__(self, data: _TokenFile, batch_size: int, max_len: int, seed: int):
+        self.data, self.batch_size, self.max_len, self.seed = data, batch_size, max_len, seed
+        self.consumed = (
+            0  # batches taken by the training loop; advanced by TextDataModule.on_before_batch_transfer
+        )
+
+    def __len__(self) -> int:
+        return max(1, self.data.n // (self.batch_size * self.max_len))
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, i])
+        starts = rng.integers(0, self.data.n - self.max_len, size=self.batch_size)  # last start n-max_len-1
+        return _window_pair(self.data.tokens, starts, self.max_len)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        start = self.consumed
+        end = (start // len(self) + 1) * len(self)
+        for i in range(start + worker, end, workers):
+            yield self.batch(i)
+
+
+class ContiguousWindows(Dataset):
+    """Non-overlapping windows: item k covers tokens [k * max_len, (k + 1) * max_len] (inclusive, for the target)."""
+
+    def __init__(self, data: _TokenFile, max_len: int, max_windows: int | None = None):
+        self.data, self.max_len = data, max_len
+        n = max(0, (data.n - 1) // max_len)
+        self.n = n if max_windows is None else min(n, max_windows)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _window_pair(self.data.tokens, np.array([k * self.max_len]), self.max_len)
+        return x[0], y[0]
+
+
+class TextDataModule(L.LightningDataModule):
+    """Token cache -> train/val/test dataloaders. See docs/data.md for every argument."""
+
+    def __init__(
+        self,
+        source: Mapping | str = "shakespeare",
+        max_len: int = 256,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        vocab_size: int = 4096,
+        seed: int = 1337,
+        cache_dir: str | None = None,
+        tokenizer_path: str | None = None,
+        val_max_batches: int | None = None,
+        token_dtype: str | None = None,
+    ):
+        super().__init__()
+        self.source = _plain(source)
+        for name, value in [("max_len", max_len), ("batch_size", batch_size), ("vocab_size", vocab_size)]:
+            if not isinstance(value, int) or value < 1:
+                raise DataError(f"{name} must be a positive integer, got {value!r}.")
+        self.save_hyperparameters()
+        self.max_len, self.batch_size, self.num_workers, self.seed = max_len, batch_size, num_workers, seed
+        self.val_max_batches = val_max_batches
+        self.cache: TokenCache | None = None
+        self.train_set: RandomWindows | None = None
+        self._resume_batches = 0  # from load_state_dict before setup
+
+    # -- preparation ---------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Build the token cache once (Lightning calls this on rank 0 only); a no-op when it is valid."""
+        self._prepare()
+
+    def _prepare(self) -> TokenCache:
+        if self.cache is None:
+            hp = self.hparams
+            self.cache = prepare(self.source, hp.vocab_size, hp.tokenizer_path, hp.cache_dir, hp.token_dtype)
+        return self.cache
+
+    def setup(self, stage: str | None = None) -> None:
+        """Memory-map the cache (read only) and check the training split can fill one window."""
+        cache = self._prepare()
+        n_train = cache.meta["splits"]["train"]["tokens"]
+        if n_train < self.max_len + 1:
+            raise DataError(
+                f"max_len {self.max_len} needs at least {self.max_len + 1} training tokens, but the train split "
+                f"has {n_train}; use max_len <= {n_train - 1} or more data."
+            )
+        if self.train_set is None:
+            self.train_set = RandomWindows(
+                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed
+            )
+            self.train_set.consumed = self._resume_batches
+
+    # -- what other code reads -------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._prepare().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's real vocabulary size (may differ from the requested `vocab_size`)."""
+        return self.tokenizer.vocab_size
+
+    def documents(self, split: str = "test") -> list[np.ndarray]:
+        """Held-out documents as token arrays (BOS ... EOS), e.g. for long-context evaluation."""
+        return self._prepare().documents(split)
+
+    def chars_per_token(self, split: str = "val") -> float:
+        """Characters per token (BOS/EOS included) of `split`: bpc = loss_nats / ln(2) / chars_per_token."""
+        return self._prepare().chars_per_token(split)
+
+    # -- dataloaders -------------------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return DataLoader(
+            self.train_set, batch_size=None, num_workers=self.num_workers
+        )  # dataset yields batches
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        cap = None if self.val_max_batches is None else self.val_max_batches * self.batch_size
+        windows = ContiguousWindows(_TokenFile(self._prepare(), split), self.max_len, cap)
+        return DataLoader(windows, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    # -- resumability --------------------------------------------------------------------------------------
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # Called once per batch the training loop actually uses (after Lightning's one-batch prefetch).
+        if self.trainer is not None and self.trainer.training:
+            self.train_set.consumed += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        consumed = self.train_set.consumed if self.train_set is not None else self._resume_batches
+        return {
+            "train_batches": consumed,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "max_len": self.max_len,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = (state["seed"], state["batch_size"], state["max_len"])
+        if saved != (self.seed, self.batch_size, self.max_len):
+            print(
+                f"resuming data with different (seed, batch_size, max_len) than saved {saved}; batches will differ."
+            )
+        self._resume_batches = state["train_batches"]
+        if self.train_set is not None:
+            self.train_set.consumed = self._resume_batches
+
+
+def _plain(source: Mapping | str) -> dict:
+    """A source given as a kind name, a dict or an OmegaConf node -> a plain dict."""
+    if isinstance(source, str):
+        return {"kind": source}
+    if isinstance(source, DictConfig):
+        return OmegaConf.to_container(source, resolve=True)
+    return dict(source)
