@@ -23,7 +23,7 @@ from data.tokenizer import Tokenizer
 
 
 class _TokenFile:
-    """Picklable handle on a split's token file; memory-maps it lazily (a pickled memmap would copy the data)."""
+    """Picklable handle on a split's token file; memory-maps lazily (a pickled memmap copies its data)."""
 
     def __init__(self, cache: TokenCache, split: str):
         self.cache_dir, self.split, self.n = cache.dir, split, cache.meta["splits"][split]["tokens"]
@@ -50,7 +50,7 @@ def _window_pair(tokens: np.ndarray, starts: np.ndarray, max_len: int) -> tuple[
 
 
 class RandomWindows(IterableDataset):
-    """Yields whole training batches; batch i draws its B window starts from numpy's RNG seeded with (seed, i).
+    """Yields whole training batches; batch i draws B window starts from an RNG seeded with (seed, i).
 
     An "epoch" is len(self) batches (about one pass over the training tokens). Iteration starts at batch
     `self.consumed` and stops at the end of that epoch. With DataLoader workers, worker w yields batches
@@ -81,7 +81,7 @@ class RandomWindows(IterableDataset):
 
 
 class ContiguousWindows(Dataset):
-    """Non-overlapping windows: item k covers tokens [k * max_len, (k + 1) * max_len] (inclusive, for the target)."""
+    """Non-overlapping windows: item k reads tokens k * max_len ... (k + 1) * max_len (inclusive)."""
 
     def __init__(self, data: _TokenFile, max_len: int, max_windows: int | None = None):
         self.data, self.max_len = data, max_len
@@ -141,8 +141,8 @@ class TextDataModule(L.LightningDataModule):
         n_train = cache.meta["splits"]["train"]["tokens"]
         if n_train < self.max_len + 1:
             raise DataError(
-                f"max_len {self.max_len} needs at least {self.max_len + 1} training tokens, but the train split "
-                f"has {n_train}; use max_len <= {n_train - 1} or more data."
+                f"max_len {self.max_len} needs at least {self.max_len + 1} training tokens, but the train "
+                f"split has {n_train}; use max_len <= {n_train - 1} or more data."
             )
         if self.train_set is None:
             self.train_set = RandomWindows(
@@ -205,9 +205,7 @@ class TextDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         saved = (state["seed"], state["batch_size"], state["max_len"])
         if saved != (self.seed, self.batch_size, self.max_len):
-            print(
-                f"resuming data with different (seed, batch_size, max_len) than saved {saved}; batches will differ."
-            )
+            print(f"resuming data with (seed, batch_size, max_len) != saved {saved}; batches will differ.")
         self._resume_batches = state["train_batches"]
         if self.train_set is not None:
             self.train_set.consumed = self._resume_batches

@@ -5,7 +5,7 @@
     ids = tok.encode("To be, or not to be")     # list[int], no special tokens added
     tok.decode(ids) == "To be, or not to be"    # exact round trip: byte-level, no normalizer
 
-Special tokens: BOS = "<|bos|>" starts every document, EOS = "<|eos|>" ends it (ids 0 and 1 when trained here).
+Special tokens: BOS = "<|bos|>" starts every document, EOS = "<|eos|>" ends it (ids 0, 1 when trained here).
 """
 
 import hashlib
@@ -69,7 +69,7 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, path: str) -> Tokenize
     """Train a byte-level BPE on `docs` and save it atomically to `path`; deterministic for the same input."""
     if vocab_size < 256 + 2:
         raise DataError(
-            f"vocab_size {vocab_size} is too small; a byte-level BPE needs at least 258 (256 bytes + BOS/EOS)."
+            f"vocab_size {vocab_size} is too small; byte-level BPE needs at least 258 (256 bytes, BOS, EOS)."
         )
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # no normalizer: exact round trip
