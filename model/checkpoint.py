@@ -1,0 +1,144 @@
+"""Checkpoints: safe loading (never unpickles code), atomic saving, and rebuilding a model alone.
+
+A training checkpoint is Lightning's dict plus three plain entries written by the
+LightningModule: `model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"})
+and `train_max_len`. That is all generate.py and the scripts need to rebuild model + tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.llama import Llama
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, unsafe or incomplete."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: Llama
+    config: ModelConfig
+    tokenizer_path: str | None
+    tokenizer_sha256: str | None
+    train_max_len: int | None
+    path: Path
+
+    def tokenizer_file(self) -> Path:
+        """The tokenizer.json this model was trained with: the recorded path, else a copy in the
+        run directory (train.py copies it there so runs can be moved); verified by its sha256."""
+        candidates = [Path(self.tokenizer_path)] if self.tokenizer_path else []
+        candidates += [self.path.parent / "tokenizer.json", self.path.parent.parent / "tokenizer.json"]
+        for candidate in candidates:
+            if candidate.is_file() and (self.tokenizer_sha256 in (None, file_sha256(candidate))):
+                return candidate
+        where = ", ".join(str(c) for c in candidates) or "nowhere (the checkpoint records no tokenizer)"
+        raise CheckpointError(
+            f"The tokenizer of {self.path} is missing or changed; looked for it at {where}."
+        )
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A .ckpt file, or a run directory (its checkpoints/last.ckpt, else the newest .ckpt below it)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        last = p / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            return last
+        found = sorted(p.rglob("*.ckpt"), key=lambda f: f.stat().st_mtime)
+        if found:
+            return found[-1]
+        raise CheckpointError(f"No .ckpt file found under the run directory {p}.")
+    raise CheckpointError(f"Checkpoint {p} does not exist; pass a .ckpt file or a run directory.")
+
+
+def safe_load(path: str | os.PathLike, map_location="cpu") -> dict:
+    """torch.load with weights_only=True: tensors and plain containers only, never code."""
+    p = Path(path)
+    try:
+        obj = torch.load(p, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"Refusing to load {p}: it contains objects other than tensors and plain data "
+            f"(loading it could run code). Detail: {str(e).splitlines()[0]}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{p} is not a readable PyTorch checkpoint (truncated or foreign file): {e}"
+        ) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{p} holds a {type(obj).__name__}, not a checkpoint dictionary.")
+    return obj
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+    """Write to a temp file in the same directory, fsync, then rename: a crash keeps the old file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
+    """The network's weights: Lightning's `state_dict` with the module prefix stripped."""
+    state = ckpt.get("state_dict")
+    if not isinstance(state, dict):
+        raise CheckpointError("The checkpoint has no 'state_dict' entry.")
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckpoint:
+    """Rebuild the model (eval mode, weights loaded strictly) from a checkpoint file or run dir."""
+    p = resolve_checkpoint(path)
+    ckpt = safe_load(p, map_location)
+    if "model_config" not in ckpt:
+        raise CheckpointError(f"{p} has no 'model_config'; it was not written by this project's train.py.")
+    try:
+        config = ModelConfig.from_dict(dict(ckpt["model_config"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{p} has an invalid model_config: {e}") from None
+    model = Llama(config)
+    try:
+        model.load_state_dict(model_state_from_checkpoint(ckpt), strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"{p} weights do not match its model_config: {str(e).splitlines()[0]}"
+        ) from None
+    tok = ckpt.get("tokenizer") or {}
+    return LoadedCheckpoint(
+        model=model.eval(),
+        config=config,
+        tokenizer_path=tok.get("path"),
+        tokenizer_sha256=tok.get("sha256"),
+        train_max_len=ckpt.get("train_max_len"),
+        path=p,
+    )

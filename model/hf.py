@@ -1,0 +1,149 @@
+"""Mapping between our Llama and `transformers.LlamaForCausalLM` (config, RoPE keys, weights).
+
+Pure functions over state dicts: no import of transformers here, so the runtime does not
+depend on it. Used by the parity tests and by scripts/export_hf.py / scripts/import_hf.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import ModelConfig
+from model.rope import RopeConfig, ntk_base, rotary_dim_of
+
+
+class ExportError(ValueError):
+    """A setting transformers' Llama cannot express."""
+
+
+def hf_rope_parameters(rope: RopeConfig, head_dim: int) -> tuple[dict, int | None]:
+    """(rope_parameters dict, max_position_embeddings override or None) for LlamaConfig."""
+    if rotary_dim_of(rope, head_dim) != head_dim:
+        raise ExportError(
+            f"transformers' Llama rotates the whole head; rotary_dim={rope.rotary_dim} < head_dim={head_dim} "
+            "cannot be exported."
+        )
+    s = rope.scaling
+    params: dict = {"rope_theta": float(rope.base)}
+    max_positions = None
+    if s == "none":
+        params["rope_type"] = "default"
+    elif s == "ntk":  # static NTK-aware is exactly a larger base, which plain RoPE expresses
+        params.update(rope_type="default", rope_theta=ntk_base(rope.base, rope.factor, head_dim))
+    elif s == "linear":
+        params.update(rope_type="linear", factor=float(rope.factor))
+    elif s == "dynamic_ntk":  # HF's dynamic scaling reads the original length from max_position_embeddings
+        params.update(rope_type="dynamic", factor=float(rope.factor))
+        max_positions = rope.original_max_len
+    elif s == "yarn":
+        params.update(
+            rope_type="yarn",
+            factor=float(rope.factor),
+            original_max_position_embeddings=rope.original_max_len,
+            beta_fast=float(rope.beta_fast),
+            beta_slow=float(rope.beta_slow),
+            truncate=True,
+        )
+        if rope.attention_factor is not None:
+            params["attention_factor"] = float(rope.attention_factor)
+    elif s == "llama3":
+        params.update(
+            rope_type="llama3",
+            factor=float(rope.factor),
+            low_freq_factor=float(rope.low_freq_factor),
+            high_freq_factor=float(rope.high_freq_factor),
+            original_max_position_embeddings=rope.original_max_len,
+        )
+    if rope.attention_factor is not None and s != "yarn":
+        raise ExportError(f"transformers supports an explicit attention_factor only with yarn, not {s!r}.")
+    return params, max_positions
+
+
+def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None) -> dict:
+    """Keyword arguments for transformers.LlamaConfig equivalent to `cfg`."""
+    rope_parameters, max_override = hf_rope_parameters(cfg.rope, cfg.head_dim)
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_override or max_position_embeddings or cfg.rope.original_max_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_parameters=rope_parameters,
+    )
+
+
+def interleaved_to_half(weight: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Permute q/k projection rows so HF's half-split rotation equals our interleaved one.
+
+    Per head, output channels (0, 1, 2, 3, ...) become (0, 2, 4, ..., 1, 3, 5, ...): pair
+    (2i, 2i+1) moves to (i, i + D/2). q.k is unchanged because q and k get the same permutation.
+    """
+    w = weight.view(n_heads, head_dim // 2, 2, -1)
+    return w.transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+def half_to_interleaved(weight: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of `interleaved_to_half`."""
+    w = weight.view(n_heads, 2, head_dim // 2, -1)
+    return w.transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict (fused qkv / gate_up) -> LlamaForCausalLM names (split projections)."""
+    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, hp = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = state[p + "attn.qkv.weight"].split([H * D, KV * D, KV * D])
+        if cfg.rope.layout == "interleaved":
+            q, k = interleaved_to_half(q, H, D), interleaved_to_half(k, KV, D)
+        gate, up = state[p + "mlp.gate_up.weight"].chunk(2)
+        out.update(
+            {
+                hp + "self_attn.q_proj.weight": q,
+                hp + "self_attn.k_proj.weight": k,
+                hp + "self_attn.v_proj.weight": v,
+                hp + "self_attn.o_proj.weight": state[p + "attn.o_proj.weight"],
+                hp + "mlp.gate_proj.weight": gate,
+                hp + "mlp.up_proj.weight": up,
+                hp + "mlp.down_proj.weight": state[p + "mlp.down_proj.weight"],
+                hp + "input_layernorm.weight": state[p + "attn_norm.weight"],
+                hp + "post_attention_layernorm.weight": state[p + "mlp_norm.weight"],
+            }
+        )
+    return {name: t.detach().clone().contiguous() for name, t in out.items()}
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of `to_hf_state_dict`: LlamaForCausalLM names -> our fused state dict."""
+    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out["lm_head.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_embeddings else hf["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, hp = f"blocks.{i}.", f"model.layers.{i}."
+        q, k = hf[hp + "self_attn.q_proj.weight"], hf[hp + "self_attn.k_proj.weight"]
+        if cfg.rope.layout == "interleaved":
+            q, k = half_to_interleaved(q, H, D), half_to_interleaved(k, KV, D)
+        out.update(
+            {
+                p + "attn.qkv.weight": torch.cat([q, k, hf[hp + "self_attn.v_proj.weight"]]),
+                p + "attn.o_proj.weight": hf[hp + "self_attn.o_proj.weight"],
+                p + "mlp.gate_up.weight": torch.cat(
+                    [hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]]
+                ),
+                p + "mlp.down_proj.weight": hf[hp + "mlp.down_proj.weight"],
+                p + "attn_norm.weight": hf[hp + "input_layernorm.weight"],
+                p + "mlp_norm.weight": hf[hp + "post_attention_layernorm.weight"],
+            }
+        )
+    return out

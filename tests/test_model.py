@@ -1,0 +1,171 @@
+"""Decoder: parity with transformers.LlamaForCausalLM, KV cache exactness, config validation."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model.config import ModelConfig
+from model.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from model.kv_cache import CacheFullError, KVCache
+from model.llama import Llama
+from model.rope import RopeConfig
+
+L0 = 32  # training length the scalings are relative to
+
+
+def tiny(rope: RopeConfig | None = None, **kw) -> Llama:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96)
+    cfg.update(kw)
+    return Llama(ModelConfig(rope=rope or RopeConfig(original_max_len=L0), **cfg)).eval()
+
+
+def hf_twin(model: Llama) -> LlamaForCausalLM:
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config_dict(model.config), attn_implementation="sdpa")).eval()
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.state_dict(), model.config), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head is shared, not stored
+    return hf
+
+
+ROPES = {
+    "none": RopeConfig(original_max_len=L0),
+    "linear": RopeConfig(scaling="linear", factor=4.0, original_max_len=L0),
+    "ntk": RopeConfig(scaling="ntk", factor=4.0, original_max_len=L0),
+    "dynamic_ntk": RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0),
+    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),
+    "llama3": RopeConfig(scaling="llama3", factor=4.0, original_max_len=L0, base=500.0),
+    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPES))
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_logits_match_transformers(name, n_kv_heads):
+    model = tiny(ROPES[name], n_kv_heads=n_kv_heads)
+    hf = hf_twin(model)
+    idx = torch.randint(0, 97, (2, 3 * L0))  # beyond the original length: dynamic NTK is active
+    with torch.no_grad():
+        ours, theirs = model(idx), hf(idx).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_untied_head_and_state_dict_round_trip():
+    model = tiny(tie_embeddings=False)
+    hf = hf_twin(model)
+    idx = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=0)
+    back = from_hf_state_dict(to_hf_state_dict(model.state_dict(), model.config), model.config)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 1])
+@pytest.mark.parametrize("name", ["none", "yarn", "dynamic_ntk", "interleaved"])
+def test_kv_cache_prefill_then_decode_equals_full_forward(name, n_kv_heads):
+    model = tiny(ROPES[name], n_kv_heads=n_kv_heads)
+    idx = torch.randint(0, 97, (2, 40))
+    positions = torch.arange(1000, 1040)  # non-zero start position, slot 0 of the cache
+    with torch.no_grad():
+        full = model(idx, position_ids=positions)
+        cache = KVCache.for_model(model.config, batch_size=2, capacity=48, rope_seq_len=1040)
+        steps = [model(idx[:, :25], position_ids=positions[:25], kv_cache=cache)]
+        for t in range(25, 40):
+            steps.append(model(idx[:, t : t + 1], position_ids=positions[t : t + 1], kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    assert cache.length == 40
+
+
+def test_kv_cache_multi_token_chunks_equal_full_forward():
+    model = tiny()
+    idx = torch.randint(0, 97, (1, 60))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.for_model(model.config, 1, 60)
+        chunks = [model(idx[:, s : s + 16], kv_cache=cache) for s in range(0, 60, 16)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
+
+
+def greedy(model: Llama, prompt: torch.Tensor, steps: int, use_cache: bool) -> list[int]:
+    tokens = prompt.clone()
+    cache = KVCache.for_model(model.config, 1, prompt.shape[1] + steps) if use_cache else None
+    nxt = tokens
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(nxt if use_cache else tokens, kv_cache=cache)
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, token], dim=1)
+            nxt = token
+    return tokens[0, prompt.shape[1] :].tolist()
+
+
+def test_greedy_32_tokens_identical_with_and_without_cache():
+    model = tiny(init_std=0.3)  # a sharper random model so greedy output is not one repeated token
+    prompt = torch.randint(0, 97, (1, 7))
+    with_cache, without = greedy(model, prompt, 32, True), greedy(model, prompt, 32, False)
+    assert with_cache == without and len(set(with_cache)) > 1
+
+
+def test_left_padding_mask_matches_unpadded_row():
+    model = tiny()
+    short = torch.randint(1, 97, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)
+    with torch.no_grad():
+        alone = model(short)
+        cache = KVCache.for_model(model.config, 1, 8)
+        cache.key_mask = torch.tensor([[False] * 3 + [True] * 5])
+        out = model(padded, position_ids=torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4]]), kv_cache=cache)
+    torch.testing.assert_close(out[:, 3:], alone, atol=1e-5, rtol=0)
+
+
+def test_cache_full_raises():
+    model = tiny()
+    cache = KVCache.for_model(model.config, 1, 4)
+    model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(CacheFullError, match="3 cached \\+ 2 new tokens exceed its capacity of 4"):
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+    cache.reset()
+    assert cache.length == 0
+
+
+def test_parameter_count_and_flops():
+    model = tiny()
+    cfg = model.config
+    per_layer = 64 * (4 + 2 * 2) * 16 + 64 * 64 + 3 * 64 * 96 + 2 * 64
+    expected = 97 * 64 + 2 * per_layer + 64  # tied head counted once
+    assert model.num_parameters() == expected
+    assert (
+        model.flops_per_token(32) == 6 * (expected - 97 * 64 + 97 * 64 - 2 * 2 * 64 - 64) + 12 * 2 * 64 * 32
+    )
+    assert cfg.head_dim == 16
+
+
+def test_residual_projections_scaled_by_depth():
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=50, d_model=256, n_layers=8, n_heads=4))
+    std = model.blocks[0].attn.o_proj.weight.std().item()
+    assert std == pytest.approx(0.02 / 4, rel=0.1)  # 0.02 / sqrt(2 * 8)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(d_model=66, n_heads=4), "d_model \\(66\\) must be divisible by n_heads \\(4\\)"),
+        (dict(n_heads=4, n_kv_heads=3), "n_heads \\(4\\) must be divisible by n_kv_heads \\(3\\)"),
+        (dict(d_model=36, n_heads=4), "head dim d_model/n_heads = 9 must be even"),
+        (dict(n_layers=0), "n_layers must be a positive integer"),
+        (dict(dropout=1.5), "dropout must be in \\[0, 1\\)"),
+    ],
+)
+def test_model_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**kwargs)
+
+
+def test_config_dict_round_trip():
+    cfg = ModelConfig(rope=RopeConfig(scaling="yarn", factor=2.0))
+    again = ModelConfig.from_dict(cfg.to_dict())
+    assert again == cfg and isinstance(again.rope, RopeConfig)
+    with pytest.raises(ValueError, match="Unknown model config keys \\['bogus'\\]"):
+        ModelConfig.from_dict({**cfg.to_dict(), "bogus": 1})
