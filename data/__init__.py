@@ -8,7 +8,17 @@ class DataError(ValueError):
     """A user-facing data problem; the message is one sentence naming the bad value and what is allowed."""
 
 
-from data.datamodule import TextDataModule  # noqa: E402  (DataError must exist before the submodules import it)
-from data.tokenizer import Tokenizer  # noqa: E402
+def __getattr__(name: str):
+    # Lazy, so `import data.tokenizer` or `data.cache` does not pay for importing Lightning (~8 s).
+    if name == "TextDataModule":
+        from data.datamodule import TextDataModule
+
+        return TextDataModule
+    if name == "Tokenizer":
+        from data.tokenizer import Tokenizer
+
+        return Tokenizer
+    raise AttributeError(f"module 'data' has no attribute {name!r}")
+
 
 __all__ = ["DataError", "TextDataModule", "Tokenizer"]
