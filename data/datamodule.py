@@ -38,7 +38,9 @@ class _TokenFile:
         if self._tokens is None:
             path = f"{self.cache_dir}/{self.split}.bin"
             self._tokens = (
-                np.memmap(path, dtype=self.dtype, mode="r", shape=(self.n,)) if self.n else np.empty(0)
+                np.memmap(path, dtype=self.dtype, mode="r", shape=(self.n,))
+                if self.n
+                else np.empty(0, self.dtype)
             )
         return self._tokens
 

@@ -129,7 +129,7 @@ def _hf(source: dict) -> dict[str, list[str]]:
                 found[split] = _column(dsets[name], column, f"{path}[{name}]", source.get("max_documents"))
     except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as e:
         raise DataError(
-            f"data source {_describe(source)} could not be read as UTF-8 text ({_root_cause(e)})."
+            f"data source {_describe(source)} is not valid UTF-8 ({_root_cause(e)}); only UTF-8 text is allowed."
         ) from e
     if "train" not in found:
         raise DataError(f"data source {_describe(source)} has no train split; found splits {list(dsets)}.")

@@ -285,7 +285,7 @@ def test_bad_inputs_raise_data_error(tmp_path):
         with pytest.raises(DataError, match=message):
             load_documents(source)
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
-    with pytest.raises(DataError, match="could not be read as UTF-8"):
+    with pytest.raises(DataError, match="is not valid UTF-8 .*only UTF-8 text is allowed"):
         load_documents({"kind": "hf", "path": "json", "data_files": str(tmp_path / "bad.jsonl")})
     with pytest.raises(
         DataError, match="vocab size 70000 does not fit token dtype uint16; it allows at most 65536"
