@@ -1,0 +1,162 @@
+"""Sample from or score text with a trained checkpoint, through a preallocated KV cache.
+
+    python generate.py ckpt=runs/shakespeare prompt="ROMEO:" max_new_tokens=200 temperature=0.8 top_k=50
+    python generate.py ckpt=runs/shakespeare prompt="ROMEO:" greedy=true start_pos=4000 rope=ntk rope.factor=8
+    python generate.py ckpt=runs/shakespeare prompt_file=prompts.txt num_samples=2 stop='["\\n\\n"]'
+    python generate.py ckpt=runs/shakespeare mode=score text_file=hamlet.txt chunk=64
+
+Every option is in configs/generate.yaml and docs/generate.md. The engine is model/generation.py.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data.tokenizer import Tokenizer
+from model.checkpoint import LoadedCheckpoint, load_checkpoint
+from model.generation import (
+    GenerationError,
+    SamplingConfig,
+    TextStream,
+    generate,
+    override_rope,
+    position_buckets,
+    score_tokens,
+)
+
+CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
+    """Checkpoint -> model on the device (with the RoPE override, if any) + its tokenizer."""
+    if cfg.dtype not in DTYPES:
+        raise GenerationError(f"Unknown dtype {cfg.dtype!r}; valid dtypes are {', '.join(DTYPES)}.")
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    ckpt = load_checkpoint(cfg.ckpt)
+    tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file()))
+    if tokenizer.vocab_size > ckpt.config.vocab_size:
+        raise GenerationError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {ckpt.config.vocab_size}."
+        )
+    rope = ckpt.config.rope
+    if cfg.get("rope") is not None:
+        rope = override_rope(rope, OmegaConf.to_container(cfg.rope), ckpt.train_max_len)
+        if rope.base != ckpt.config.rope.base:
+            print(
+                f"note: rope base {rope.base} differs from the checkpoint's {ckpt.config.rope.base}.",
+                file=sys.stderr,
+            )
+    ckpt.model.to(device=device, dtype=DTYPES[cfg.dtype])
+    ckpt.model.set_rope(rope)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
+    return ckpt, tokenizer
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"Cannot read {path}: {e}.") from None
+
+
+def read_prompts(cfg: DictConfig) -> list[str]:
+    """The prompt, or the lines of prompt_file; empty prompts are refused."""
+    if (cfg.prompt is None) == (cfg.prompt_file is None):
+        raise GenerationError(
+            "Give exactly one of prompt=<text> or prompt_file=<file with one prompt per line>."
+        )
+    if cfg.prompt is not None:
+        if not str(cfg.prompt):
+            raise GenerationError("The prompt is empty; give prompt=<text>.")
+        return [str(cfg.prompt)]
+    lines = read_text(cfg.prompt_file).splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line:
+            raise GenerationError(f"Line {number} of {cfg.prompt_file} is an empty prompt; remove it.")
+    if not lines:
+        raise GenerationError(f"{cfg.prompt_file} holds no prompts; write one prompt per line.")
+    return lines
+
+
+def run_sample(
+    cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, sampling: SamplingConfig, prompt_texts: list[str]
+) -> None:
+    texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
+    prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]  # documents start with bos in training
+    streams = [TextStream(tok.decode, list(cfg.stop)) for _ in prompts]
+    live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
+
+    def on_token(row: int, token: int) -> bool:
+        text = streams[row].push(token)
+        if live:
+            print(text, end="", flush=True)
+        return streams[row].stopped
+
+    if live:
+        print(texts[0], end="", flush=True)
+    out = generate(
+        ckpt.model,
+        prompts,
+        cfg.max_new_tokens,
+        sampling,
+        start_pos=cfg.start_pos,
+        cache_len=cfg.cache_len,
+        eos_id=tok.eos_id,
+        seed=cfg.seed,
+        on_token=on_token,
+    )
+    for row, (text, stream) in enumerate(zip(texts, streams)):
+        rest = stream.finish()
+        if live:
+            print(rest)
+        else:
+            print(f"{'-' * 20} sample {row}\n{text}{stream.text}" if len(texts) > 1 else text + stream.text)
+    print(
+        f"\nprompt tokens: {out.prompt_tokens}  generated tokens: {out.generated_tokens}  "
+        f"prefill: {out.prefill_tokens_per_s:.1f} tokens/s  decode: {out.decode_tokens_per_s:.1f} tokens/s",
+        file=sys.stderr,
+    )
+
+
+def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str) -> None:
+    tokens = torch.tensor([tok.bos_id, *tok.encode(text)])
+    losses = score_tokens(ckpt.model, tokens, cfg.chunk, cfg.start_pos)
+    train_len = ckpt.train_max_len or ckpt.config.rope.original_max_len
+    print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (training length {train_len})")
+    for b in position_buckets(losses, train_len, cfg.start_pos):
+        print(f"{f'{b.start}..{b.end}':>16} {b.tokens:8d} {b.loss:8.4f} {b.perplexity:10.2f}")
+    loss = float(losses.double().mean())
+    print(f"{'overall':>16} {losses.numel():8d} {loss:8.4f} {math.exp(loss):10.2f}")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="generate")
+def main(cfg: DictConfig) -> None:
+    try:  # options are checked before the (slow) checkpoint load
+        if OmegaConf.is_missing(cfg, "ckpt"):
+            raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
+        if cfg.mode == "sample":
+            sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.greedy)
+            if cfg.num_samples < 1:
+                raise GenerationError(f"num_samples must be a positive integer, got {cfg.num_samples}.")
+            texts = read_prompts(cfg)
+            run_sample(cfg, *load(cfg), sampling, texts)
+        elif cfg.mode == "score":
+            if cfg.text_file is None:
+                raise GenerationError("mode=score needs text_file=<file to score>.")
+            run_score(cfg, *load(cfg), read_text(cfg.text_file))
+        else:
+            raise GenerationError(f"Unknown mode {cfg.mode!r}; valid modes are sample, score.")
+    except (ValueError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
+        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Inference engine: prefill + decode through a preallocated KV cache, on-device sampling, scoring.
+
+    sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.95)
+    out = generate(model, [[bos, *ids]], max_new_tokens=200, sampling=sampling, eos_id=eos, seed=0)
+    out.tokens[0]                                    # the new token ids of row 0
+    losses = score_tokens(model, tokens, chunk=64)   # (T-1,) per-token NLL, teacher-forced
+    buckets = position_buckets(losses, train_len=256)
+
+Positions are explicit: a prompt of n tokens is placed at RoPE positions start_pos..start_pos+n-1,
+whatever cache slots it lands in. Batches of prompts are LEFT padded: every row's first real token
+sits at start_pos and padding slots are masked out of attention, so a row's output equals running it
+alone. Generated ids come back to the host once per step (to stream and to stop); everything else
+stays on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from model.kv_cache import KVCache
+from model.llama import Llama
+from model.rope import RopeConfig
+
+
+class GenerationError(ValueError):
+    """A user-facing generation problem (empty prompt, cache too small, bad option), one sentence."""
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits; validated on construction.
+
+    temperature: divides the logits; 0 means greedy.
+    top_k:       sample among the k most likely tokens (0 = no limit).
+    top_p:       nucleus: the smallest set of most likely tokens whose probability reaches top_p (1 = all).
+    greedy:      always take the argmax (temperature, top_k and top_p are then ignored).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {self.top_p}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+GREEDY = SamplingConfig(greedy=True)
+
+
+def sample(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits: (B, V) -> next token ids (B,), chosen on the logits' device (no host sync)."""
+    if cfg.is_greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k:  # topk returns the candidates already sorted, which is all top-p needs
+        values, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)
+    elif cfg.top_p < 1:
+        values, candidates = logits.sort(dim=-1, descending=True)
+    else:
+        choice = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+        return choice.squeeze(-1)
+    if cfg.top_p < 1:
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
+        values = values.masked_fill(mass_before >= cfg.top_p, -math.inf)  # the first one always stays
+    choice = torch.multinomial(values.softmax(dim=-1), 1, generator=generator)  # (B, 1) index into candidates
+    return candidates.gather(-1, choice).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    """Result of `generate`: new ids per row (eos excluded) and the timings of the two phases."""
+
+    tokens: list[list[int]]
+    prompt_tokens: int  # real prompt tokens over all rows (bos included, padding not)
+    prefill_seconds: float  # prompt forward + first token, synced
+    decode_steps: int  # one-token forwards after the prefill
+    decode_seconds: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(map(len, self.tokens))
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / max(self.prefill_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens computed by the one-token forwards (every row of the batch) per second."""
+        return len(self.tokens) * self.decode_steps / max(self.decode_seconds, 1e-9)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], start_pos: int, total: int, device) -> tuple:
+    """Right-align prompts of different lengths.
+
+    Returns idx (B, n) with padding id 0, position_ids (B, total) where row i's first real token is at
+    start_pos and later slots continue from there (padding slots repeat start_pos; they are masked),
+    and key_mask (B, total) bool, False on padding slots, or None when no row is padded.
+    """
+    n = max(map(len, prompts))
+    pad = torch.tensor([n - len(p) for p in prompts], device=device)[:, None]  # (B, 1)
+    idx = torch.zeros(len(prompts), n, dtype=torch.long, device=device)
+    for row, p in enumerate(prompts):
+        idx[row, n - len(p) :] = torch.tensor(p, dtype=torch.long)
+    slots = torch.arange(total, device=device)[None, :]  # (1, total)
+    position_ids = start_pos + (slots - pad).clamp(min=0)
+    key_mask = slots >= pad if bool(pad.any()) else None
+    return idx, position_ids, key_mask
+
+
+def cache_capacity(prompt_len: int, max_new_tokens: int, cache_len: int | None) -> int:
+    """KV slots for a generation: prompt + new tokens, or `cache_len` if given (then checked)."""
+    needed = prompt_len + max_new_tokens
+    if cache_len is None:
+        return needed
+    if needed > cache_len:
+        raise GenerationError(
+            f"The prompt ({prompt_len} tokens with bos) plus max_new_tokens={max_new_tokens} needs {needed} "
+            f"KV cache slots but cache_len={cache_len}; raise cache_len or shorten the prompt or the generation."
+        )
+    return cache_len
+
+
+@torch.inference_mode()
+def generate(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = GREEDY,
+    *,
+    start_pos: int = 0,
+    cache_len: int | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+    on_token: Callable[[int, int], bool] | None = None,
+) -> Generation:
+    """Prefill every prompt in one forward, then decode one token per step into a preallocated cache.
+
+    prompts: token id lists (bos included by the caller), different lengths allowed (left padded).
+    start_pos: absolute RoPE position of each prompt's first token.
+    cache_len: KV cache slots (default prompt + max_new_tokens; it must hold at least that).
+    eos_id: a row stops when it samples this id (not included in its tokens).
+    seed: seeds the torch.Generator used for sampling (same seed, same output).
+    on_token(row, token): called on the host for each new token of an unfinished row; return True
+        to stop that row (e.g. a stop string was completed). The row keeps the token.
+    Generation ends when every row stopped or after max_new_tokens steps.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("Every prompt needs at least one token; got an empty prompt.")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}.")
+    if start_pos < 0:
+        raise GenerationError(f"start_pos must be a non-negative position, got {start_pos}.")
+    device = model.embed.weight.device
+    n, batch = max(map(len, prompts)), len(prompts)
+    capacity = cache_capacity(n, max_new_tokens, cache_len)
+    idx, position_ids, key_mask = left_pad(prompts, start_pos, n + max_new_tokens, device)
+    cache = KVCache.for_model(
+        model.config,
+        batch,
+        capacity,
+        device=device,
+        dtype=model.embed.weight.dtype,
+        rope_seq_len=start_pos + n + max_new_tokens,  # fixed for the whole generation (dynamic NTK)
+    )
+    if key_mask is not None:
+        cache.key_mask = F.pad(key_mask, (0, capacity - key_mask.shape[1]), value=True)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    active = [True] * batch
+
+    t0 = time.perf_counter()
+    logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)
+    step = 0
+    for step in range(max_new_tokens):
+        next_token = sample(logits[:, -1], sampling, generator)  # (B,)
+        for row, token in enumerate(next_token.tolist()):  # the one host sync per step
+            if not active[row]:
+                continue
+            if token == eos_id:
+                active[row] = False
+                continue
+            tokens[row].append(token)
+            if on_token is not None and on_token(row, token):
+                active[row] = False
+        if step == 0:
+            t1 = time.perf_counter()
+        if not any(active) or step == max_new_tokens - 1:
+            break
+        logits = model(next_token[:, None], position_ids=position_ids[:, n + step, None], kv_cache=cache)
+    t2 = time.perf_counter()
+    return Generation(tokens, sum(map(len, prompts)), t1 - t0, step, t2 - t1)
+
+
+class TextStream:
+    """Incremental detokenizer for one row: push token ids, get back the newly completed text.
+
+    Text is only released once its UTF-8 bytes are complete (byte-level BPE can split a character
+    across tokens) and once it cannot be the start of a stop string. When a stop string appears,
+    the text is cut before it and `stopped` becomes True.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.text = ""  # complete text so far (cut at a stop string)
+        self.stopped = False
+        self._ids: list[int] = []
+        self._decoded = 0  # ids[:_decoded] are already in self.text
+        self._released = 0  # len of the text already returned
+
+    def push(self, token: int) -> str:
+        """Add one id; return the text that became final (maybe "")."""
+        self._ids.append(token)
+        piece = self.decode(self._ids[self._decoded :])  # only the undecoded tail: O(1) per step
+        if piece.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next bytes
+            return ""
+        self._decoded = len(self._ids)
+        return self._extend(piece, final=False)
+
+    def finish(self) -> str:
+        """End of generation: release everything still held back."""
+        piece = self.decode(self._ids[self._decoded :]) if self._decoded < len(self._ids) else ""
+        self._decoded = len(self._ids)
+        return self._extend(piece, final=True)
+
+    def _extend(self, piece: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        search_from = max(0, len(self.text) - max(map(len, self.stop), default=0))
+        self.text += piece
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
+        out, self._released = self.text[self._released : end], end
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        return max(
+            (k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])),
+            default=0,
+        )
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@torch.inference_mode()
+def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int = 0) -> torch.Tensor:
+    """Teacher-forced per-token loss, streamed through the KV cache `chunk` tokens at a time.
+
+    tokens: (T,) ids placed at positions start_pos..start_pos+T-1.
+    Returns (T-1,) float32: loss[i] = -log p(tokens[i+1] | tokens[:i+1]), predicted at position
+    start_pos+i. Equal to one full forward over tokens[:-1] (same positions, same dynamic-NTK length).
+    """
+    if tokens.ndim != 1 or tokens.numel() < 2:
+        raise GenerationError(
+            f"Scoring needs a 1-D sequence of at least 2 tokens, got shape {tuple(tokens.shape)}."
+        )
+    if chunk < 1:
+        raise GenerationError(f"chunk must be a positive number of tokens, got {chunk}.")
+    device = model.embed.weight.device
+    tokens = tokens.to(device)
+    inputs, targets = tokens[:-1], tokens[1:]
+    n = inputs.numel()
+    position_ids = torch.arange(start_pos, start_pos + n, device=device)
+    cache = KVCache.for_model(
+        model.config, 1, n, device=device, dtype=model.embed.weight.dtype, rope_seq_len=start_pos + n
+    )
+    losses = torch.empty(n, device=device)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        logits = model(inputs[None, s:e], position_ids=position_ids[s:e], kv_cache=cache)
+        losses[s:e] = F.cross_entropy(logits[0].float(), targets[s:e], reduction="none")
+    return losses
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Mean loss over the predictions made at positions [start, end)."""
+
+    start: int
+    end: int
+    tokens: int
+    loss: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def position_buckets(losses: torch.Tensor, train_len: int, start_pos: int = 0) -> list[Bucket]:
+    """Group per-token losses by position: [0, L), [L, 2L), [2L, 4L), [4L, 8L), ... (empty ones dropped).
+
+    losses: (N,) as returned by score_tokens; losses[i] was predicted at position start_pos + i.
+    """
+    positions = torch.arange(start_pos, start_pos + losses.numel(), device=losses.device)
+    last = start_pos + losses.numel()
+    edges = [0, train_len]
+    while edges[-1] < last:
+        edges.append(2 * edges[-1])
+    buckets = []
+    for lo, hi in zip(edges, edges[1:]):
+        in_bucket = (positions >= lo) & (positions < hi)
+        count = int(in_bucket.sum())
+        if count:
+            buckets.append(Bucket(lo, hi, count, float(losses[in_bucket].double().mean())))
+    return buckets
+
+
+# ----------------------------------------------------------------------------- rope override
+
+
+def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = None) -> RopeConfig:
+    """The checkpoint's RoPE with an inference-time override applied (e.g. a configs/rope group).
+
+    `layout` and `rotary_dim` always stay the checkpoint's: they describe how the weights were
+    trained. `original_max_len: None` means the checkpoint's training length.
+    """
+    known = {f.name for f in fields(RopeConfig)}
+    unknown = sorted(set(override) - known)
+    if unknown:
+        raise GenerationError(f"Unknown rope keys {unknown}; allowed keys are {sorted(known)}.")
+    values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
+    if values.get("original_max_len") is None:
+        values["original_max_len"] = train_max_len or base.original_max_len
+    return replace(base, **values)
