@@ -48,7 +48,7 @@ def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
         )
     rope = ckpt.config.rope
     if cfg.get("rope") is not None:
-        rope = override_rope(rope, OmegaConf.to_container(cfg.rope), ckpt.train_max_len)
+        rope = override_rope(rope, OmegaConf.to_container(cfg.rope, resolve=True), ckpt.train_max_len)
         if rope.base != ckpt.config.rope.base:
             print(
                 f"note: rope base {rope.base} differs from the checkpoint's {ckpt.config.rope.base}.",
@@ -142,7 +142,9 @@ def main(cfg: DictConfig) -> None:
         if OmegaConf.is_missing(cfg, "ckpt"):
             raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
         if cfg.mode == "sample":
-            sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.greedy)
+            sampling = SamplingConfig(
+                float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy)
+            )
             if cfg.num_samples < 1:
                 raise GenerationError(f"num_samples must be a positive integer, got {cfg.num_samples}.")
             texts = read_prompts(cfg)

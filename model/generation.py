@@ -351,4 +351,7 @@ def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = 
     values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
     if values.get("original_max_len") is None:
         values["original_max_len"] = train_max_len or base.original_max_len
-    return replace(base, **values)
+    try:
+        return replace(base, **values)
+    except TypeError as e:  # e.g. a string where a number belongs
+        raise GenerationError(f"Invalid rope override {values}: {e}.") from None

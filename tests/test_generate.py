@@ -1,0 +1,381 @@
+"""Generation and scoring: KV-cache exactness, left padding, explicit positions, sampling, the CLI."""
+
+import copy
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import generate as cli
+from data.tokenizer import train_tokenizer
+from model.checkpoint import atomic_torch_save
+from model.config import ModelConfig
+from model.generation import (
+    GREEDY,
+    GenerationError,
+    SamplingConfig,
+    TextStream,
+    generate,
+    override_rope,
+    position_buckets,
+    sample,
+    score_tokens,
+)
+from model.kv_cache import KVCache
+from model.llama import Llama
+from model.rope import RopeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+L0 = 32  # the tiny model's training length
+TEXT = (
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n\n"
+    "Crème brûlée, naïve café — “quotes” and ✓ marks keep multi-byte characters in the text.\n"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and do not fight over a busy machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_tokenizer(
+        [TEXT] * 4, vocab_size=300, path=str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    )
+
+
+def tiny(vocab_size: int, rope: RopeConfig | None = None) -> Llama:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        init_std=0.3,  # a sharp random model: greedy output is not one repeated token
+        rope=rope or RopeConfig(original_max_len=L0),
+    )
+    return Llama(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny(tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tok, model, tmp_path_factory):
+    """A run directory the CLI can load: checkpoints/last.ckpt + the tokenizer it records."""
+    d = tmp_path_factory.mktemp("run")
+    atomic_torch_save(
+        {
+            "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+            "model_config": model.config.to_dict(),
+            "tokenizer": {"path": tok.path, "sha256": tok.sha256},
+            "train_max_len": L0,
+        },
+        d / "checkpoints" / "last.ckpt",
+    )
+    return d
+
+
+def no_cache_greedy(model: Llama, prompt: list[int], steps: int, start_pos: int = 0) -> list[int]:
+    """Reference: recompute the whole sequence every step, no cache, same positions."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            positions = torch.arange(start_pos, start_pos + seq.shape[1])
+            nxt = model(seq, position_ids=positions)[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq[0, len(prompt) :].tolist()
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    return [tok.bos_id, *tok.encode(text)]
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@pytest.mark.parametrize("start_pos", [0, 100])
+def test_greedy_identical_with_and_without_cache(model, tok, start_pos):
+    prompt = prompt_ids(tok, "ROMEO: But soft")
+    out = generate(model, [prompt], 40, GREEDY, start_pos=start_pos)
+    assert out.tokens[0] == no_cache_greedy(model, prompt, 40, start_pos)
+    assert len(out.tokens[0]) == 40 and len(set(out.tokens[0])) > 5
+
+
+@pytest.mark.parametrize("start_pos", [0, 7])
+def test_left_padded_batch_equals_each_prompt_alone(model, tok, start_pos):
+    texts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "But soft, what"]
+    prompts = [prompt_ids(tok, t) for t in texts]
+    assert len({len(p) for p in prompts}) == 3  # really padded
+    batch = generate(model, prompts, 25, GREEDY, start_pos=start_pos).tokens
+    alone = [generate(model, [p], 25, GREEDY, start_pos=start_pos).tokens[0] for p in prompts]
+    assert batch == alone
+    assert len({tuple(t) for t in batch}) == 3  # rows are not trivially identical
+
+
+def record_positions(model: Llama, monkeypatch) -> list[torch.Tensor]:
+    """Wrap model.forward so every position_ids tensor it receives is recorded."""
+    seen, forward = [], model.forward
+
+    def spy(idx, position_ids=None, kv_cache=None):
+        seen.append(position_ids.clone())
+        return forward(idx, position_ids=position_ids, kv_cache=kv_cache)
+
+    monkeypatch.setattr(model, "forward", spy)
+    return seen
+
+
+def test_start_pos_reaches_the_model_as_given(model, tok, monkeypatch):
+    prompts = [prompt_ids(tok, "ROMEO:"), prompt_ids(tok, "JULIET: O Romeo")]
+    a, b = map(len, prompts)
+    seen = record_positions(model, monkeypatch)
+    generate(model, prompts, 6, GREEDY, start_pos=5000)
+    prefill, decode = seen[0], seen[1:]
+    assert prefill.tolist() == [[5000] * (b - a) + list(range(5000, 5000 + a)), list(range(5000, 5000 + b))]
+    assert len(decode) == 5  # the 6th token is sampled, never fed back
+    for step, pos in enumerate(decode):
+        assert pos.tolist() == [[5000 + a + step], [5000 + b + step]]
+
+
+def test_start_pos_changes_the_output(tok):
+    """Plain RoPE is relative: a constant shift changes nothing but float rounding. Dynamic NTK
+    scales with the total length, so at start_pos=5000 the model computes something else."""
+    prompt = prompt_ids(tok, "ROMEO: But soft, what light")
+    plain = tiny(tok.vocab_size)
+    near, far = (generate(plain, [prompt], 30, GREEDY, start_pos=s).tokens[0] for s in (0, 5000))
+    assert near == far
+    dynamic = tiny(tok.vocab_size, RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0))
+    near, far = (generate(dynamic, [prompt], 30, GREEDY, start_pos=s).tokens[0] for s in (0, 5000))
+    assert near != far
+
+
+def test_dynamic_ntk_cache_path_equals_full_forward(tok, monkeypatch):
+    model = tiny(tok.vocab_size, RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0))
+    prompt, steps = prompt_ids(tok, "ROMEO: But soft, what light through yonder"), 40
+    assert len(prompt) + steps > L0  # the dynamic scale is active
+    logits, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: logits.append(forward(*a, **kw)) or logits[-1])
+    new = generate(model, [prompt], steps, GREEDY).tokens[0]
+    monkeypatch.undo()
+    cached = torch.cat([logits[0][:, -1:], *logits[1:]], dim=1)  # (1, steps, V) next-token logits
+    seq = torch.tensor([prompt + new[:-1]])
+    rope_seq_len = len(prompt) + steps
+    with torch.no_grad():
+        same_len = KVCache.for_model(model.config, 1, seq.shape[1], rope_seq_len=rope_seq_len)
+        full = model(seq, kv_cache=same_len)[:, len(prompt) - 1 :]
+        other_len = model(seq)[:, len(prompt) - 1 :]  # scaled for seq.shape[1] instead
+    torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
+    assert full.argmax(-1)[0].tolist() == new
+    assert not torch.allclose(other_len, full, atol=1e-3)  # the length really matters
+
+
+@pytest.mark.parametrize("scaling", ["none", "dynamic_ntk"])
+@pytest.mark.parametrize("start_pos", [0, 37])
+def test_score_equals_one_full_forward(tok, scaling, start_pos):
+    model = tiny(tok.vocab_size, RopeConfig(scaling=scaling, factor=4.0, original_max_len=L0))
+    torch.manual_seed(1)
+    tokens = torch.randint(0, tok.vocab_size, (150,))  # beyond 4 * L0: several buckets
+    losses = score_tokens(model, tokens, chunk=17, start_pos=start_pos)  # chunks straddle buckets
+    with torch.no_grad():
+        logits = model(tokens[None, :-1], position_ids=torch.arange(start_pos, start_pos + 149))
+    expected = F.cross_entropy(logits[0], tokens[1:], reduction="none")
+    assert losses.shape == (149,)
+    torch.testing.assert_close(losses, expected, atol=1e-5, rtol=0)
+
+    buckets = position_buckets(losses, L0, start_pos)
+    assert [(b.start, b.end) for b in buckets] == [(0, 32), (32, 64), (64, 128), (128, 256)][
+        1 if start_pos >= 32 else 0 :
+    ]
+    assert sum(b.tokens for b in buckets) == 149
+    first = buckets[-1]  # positions 128.. -> losses[128 - start_pos:]
+    assert first.loss == pytest.approx(float(expected[128 - start_pos :].mean()), abs=1e-5)
+
+
+def test_sampling_is_reproducible_with_a_seed(model, tok):
+    prompt = prompt_ids(tok, "ROMEO:")
+    cfg = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95)
+    first, again, other = (generate(model, [prompt], 30, cfg, seed=s).tokens[0] for s in (0, 0, 1))
+    assert first == again
+    assert first != other
+
+
+def test_sample_filters():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logits = probs.log().expand(4000, 4).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, SamplingConfig(top_k=1), gen), torch.zeros(4000, dtype=torch.long))
+    drawn = sample(logits, SamplingConfig(top_p=0.5), gen)  # mass before: 0, .4, .7 -> keep {0, 1}
+    assert set(drawn.tolist()) == {0, 1}
+    assert (drawn == 0).float().mean() == pytest.approx(0.4 / 0.7, abs=0.03)  # renormalised
+    assert set(sample(logits, SamplingConfig(top_k=3), gen).tolist()) == {0, 1, 2}
+    assert set(sample(logits, SamplingConfig(), gen).tolist()) == {0, 1, 2, 3}
+    assert torch.equal(
+        sample(logits, SamplingConfig(temperature=0), gen), torch.zeros(4000, dtype=torch.long)
+    )
+
+
+def test_text_stream_never_releases_broken_utf8(tok):
+    ids = tok.encode("Crème brûlée ✓")
+    stream = TextStream(tok.decode)
+    pieces = [stream.push(i) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == "Crème brûlée ✓" == stream.text
+    assert "" in pieces[:-1]  # some character really was split across tokens
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_text_stream_stops_at_a_stop_string_and_holds_its_prefix(tok):
+    stream = TextStream(tok.decode, stop=["\n\n"])
+    pieces = []
+    for i in tok.encode("ROMEO: soft\nlight\n\nJULIET"):
+        pieces.append(stream.push(i))
+        if stream.stopped:
+            break
+    assert stream.stopped and stream.text == "ROMEO: soft\nlight"
+    assert "".join(pieces) == "ROMEO: soft\nlight"  # the lone "\n" before the stop was never printed
+
+
+def test_generate_stops_at_eos_and_on_token(model, tok):
+    prompt = prompt_ids(tok, "ROMEO:")
+    free = generate(model, [prompt], 20, GREEDY).tokens[0]
+    assert generate(model, [prompt], 20, GREEDY, eos_id=free[5]).tokens[0] == free[: free.index(free[5])]
+    out = generate(model, [prompt, prompt], 20, GREEDY, on_token=lambda row, t: row == 0)
+    assert out.tokens == [free[:1], free]
+
+
+def test_engine_errors(model):
+    with pytest.raises(GenerationError, match="empty prompt"):
+        generate(model, [[1, 2], []], 5)
+    with pytest.raises(GenerationError, match="needs 13 KV cache slots but cache_len=12"):
+        generate(model, [[1, 2, 3]], 10, cache_len=12)
+    assert len(generate(model, [[1, 2, 3]], 10, cache_len=13).tokens[0]) == 10
+
+
+def test_override_rope_keeps_weight_defining_fields():
+    base = RopeConfig(base=500.0, layout="interleaved", rotary_dim=8, original_max_len=L0)
+    cfg = override_rope(
+        base, {"scaling": "ntk", "factor": 8.0, "original_max_len": None, "layout": "half"}, 64
+    )
+    assert (cfg.scaling, cfg.factor, cfg.original_max_len) == ("ntk", 8.0, 64)
+    assert (cfg.layout, cfg.rotary_dim, cfg.base) == ("interleaved", 8, 500.0)
+    with pytest.raises(ValueError, match="valid scalings are"):
+        override_rope(base, {"scaling": "bogus"})
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """generate.py as a real process (one thread: the tiny model does not need more)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "generate.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_cli_streams_the_engines_greedy_text_and_reports_speed(run_dir, model, tok, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("ROMEO:\nJULIET: O Romeo\n")
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT * 3)
+    with ThreadPoolExecutor(4) as pool:  # each run pays the interpreter + torch start-up; overlap them
+        single, batch, score, error = pool.map(
+            lambda args: run_cli(f"ckpt={run_dir}", *args),
+            [
+                ["prompt=ROMEO:", "greedy=true", "max_new_tokens=30", "rope=ntk", "rope.factor=8"],
+                [f"prompt_file={prompts_file}", "greedy=true", "max_new_tokens=30", "num_samples=2"],
+                ["mode=score", f"text_file={text_file}", "chunk=16"],
+                ["prompt=x", "top_p=0"],
+            ],
+        )
+    assert (
+        error.returncode == 2
+        and error.stderr == "error: top_p must be in (0, 1] (1 = no nucleus filter), got 0.0.\n"
+    )
+    for proc in (single, batch, score):
+        assert proc.returncode == 0, proc.stderr
+
+    ntk = copy.deepcopy(model)
+    ntk.set_rope(RopeConfig(scaling="ntk", factor=8.0, original_max_len=L0))
+    expected = TextStream(tok.decode)
+    for t in generate(ntk, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]:
+        expected.push(t)
+    expected.finish()
+    assert single.stdout == "ROMEO:" + expected.text + "\n"
+    plain = generate(model, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]
+    assert tok.decode(plain) != expected.text  # the rope override really applied
+    assert "prompt tokens: " in single.stderr and "decode: " in single.stderr and "tokens/s" in single.stderr
+
+    assert batch.stdout.count("sample ") == 4 and "JULIET: O Romeo" in batch.stdout
+
+    tokens = torch.tensor(prompt_ids(tok, TEXT * 3))
+    losses = score_tokens(model, tokens, chunk=16)
+    overall = next(line for line in score.stdout.splitlines() if line.strip().startswith("overall"))
+    assert overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
+    assert "32..64" in score.stdout and "64..128" in score.stdout
+
+
+def corrupt_run(tmp_path: Path, run_dir: Path, what: str) -> Path:
+    if what == "corrupt":
+        bad = tmp_path / "bad.ckpt"
+        bad.write_bytes((run_dir / "checkpoints" / "last.ckpt").read_bytes()[:500])
+        return bad
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["tokenizer"] = {"path": str(tmp_path / "gone.json"), "sha256": "0" * 64}
+    atomic_torch_save(ckpt, tmp_path / "no_tok" / "last.ckpt")
+    return tmp_path / "no_tok" / "last.ckpt"
+
+
+CLI_ERRORS = {  # args (CKPT = the good run dir) -> the sentence on stderr
+    "missing checkpoint": (["ckpt=/nonexistent/run", "prompt=x"], "does not exist"),
+    "corrupt checkpoint": (["ckpt=CORRUPT", "prompt=x"], "not a readable PyTorch checkpoint"),
+    "missing tokenizer": (["ckpt=NO_TOKENIZER", "prompt=x"], "tokenizer of"),
+    "empty prompt": (["ckpt=CKPT", "prompt="], "The prompt is empty"),
+    "cache too small": (["ckpt=CKPT", "prompt=ROMEO", "max_new_tokens=50", "cache_len=20"], "cache_len=20"),
+    "unknown rope scaling": (
+        ["ckpt=CKPT", "prompt=x", "rope=ntk", "rope.scaling=warp"],
+        "valid scalings are",
+    ),
+    "top_p": (["ckpt=CKPT", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
+    "temperature": (["ckpt=CKPT", "prompt=x", "temperature=-1"], "temperature must be >= 0"),
+    "top_k": (["ckpt=CKPT", "prompt=x", "top_k=-3"], "top_k must be >= 0"),
+}
+
+
+def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", list(CLI_ERRORS))
+def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsys):
+    paths = {"CKPT": run_dir, "CORRUPT": corrupt_run(tmp_path, run_dir, "corrupt")}
+    paths["NO_TOKENIZER"] = corrupt_run(tmp_path, run_dir, "tok")
+    args, sentence = CLI_ERRORS[case]
+    args = [a.split("=")[0] + "=" + str(paths[a[5:]]) if a[5:] in paths else a for a in args]
+    code, err = main_in_process(args, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.startswith("error: ") and sentence in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
+    """Hydra rejects rope=<unknown> while composing, before main: non-zero, the options listed."""
+    code, err = main_in_process([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
+    assert code != 0 and "Could not find 'rope/warp'" in err and "yarn" in err
+    assert "Traceback" not in err
