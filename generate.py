@@ -11,6 +11,7 @@ Every option is in configs/generate.yaml and docs/generate.md. The engine is mod
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -59,6 +60,15 @@ def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
     return ckpt, tokenizer
 
 
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    r"""Command-line escapes: Hydra passes `\n` through literally, so prompt="A:\nB" and stop='["\n\n"]'
+    would otherwise never mean a newline. Only \n, \t and \\ are replaced (non-ASCII text stays intact)."""
+    return re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
 def read_text(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -75,7 +85,7 @@ def read_prompts(cfg: DictConfig) -> list[str]:
     if cfg.prompt is not None:
         if not str(cfg.prompt):
             raise GenerationError("The prompt is empty; give prompt=<text>.")
-        return [str(cfg.prompt)]
+        return [unescape(str(cfg.prompt))]
     lines = read_text(cfg.prompt_file).splitlines()
     for number, line in enumerate(lines, 1):
         if not line:
@@ -90,7 +100,7 @@ def run_sample(
 ) -> None:
     texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
     prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]  # documents start with bos in training
-    streams = [TextStream(tok.decode, list(cfg.stop)) for _ in prompts]
+    streams = [TextStream(tok.decode, [unescape(s) for s in cfg.stop]) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
 
     def on_token(row: int, token: int) -> bool:

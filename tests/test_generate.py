@@ -374,6 +374,31 @@ def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsy
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_cli_stop_string_with_escapes(run_dir, model, tok, monkeypatch, capsys):
+    assert cli.unescape(r"a\n\nb\tc\\n é") == "a\n\nb\tc\\n é"
+    full = TextStream(tok.decode)
+    for t in generate(model, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]:
+        full.push(t)
+    full.finish()
+    text = full.text  # a random model's text: pick a 2-character stop string occurring first after 5
+    cut = next(
+        i
+        for i in range(5, len(text) - 2)
+        if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+    )
+    escaped = (
+        text[cut : cut + 2]
+        .replace("\\", "\\\\")
+        .replace("\n", "\\n")
+        .replace("\t", "\\t")
+        .replace("'", "\\'")
+    )
+    args = [f"ckpt={run_dir}", "prompt=ROMEO:", "greedy=true", "max_new_tokens=30", f"stop=['{escaped}']"]
+    monkeypatch.setattr(sys, "argv", ["generate.py", *args])
+    cli.main()
+    assert capsys.readouterr().out == "ROMEO:" + text[:cut] + "\n"
+
+
 def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
     """Hydra rejects rope=<unknown> while composing, before main: non-zero, the options listed."""
     code, err = main_in_process([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
