@@ -1,0 +1,97 @@
+"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, and text samples at validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from model.checkpoint import atomic_torch_save, safe_load
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints are written to a temp file, fsynced and renamed (a kill mid-save keeps the
+    previous file), and read back with weights_only=True (a checkpoint can never run code)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        return safe_load(path, map_location=map_location or "cpu")
+
+
+class TextSample(L.Callback):
+    """Generates a short continuation of `prompt` after each validation: printed, and logged
+    as text (wandb table / samples.txt) so a person can watch the model learn."""
+
+    def __init__(
+        self, tokenizer, run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int
+    ):
+        self.tokenizer, self.run_dir, self.prompt = tokenizer, Path(run_dir), prompt
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.rows: list[list] = []
+
+    @torch.no_grad()
+    def on_validation_end(self, trainer: L.Trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or self.max_new_tokens <= 0:
+            return
+        from model.generation import SamplingConfig, generate  # the same engine generate.py uses
+
+        prompt = [self.tokenizer.bos_id, *self.tokenizer.encode(self.prompt)]
+        was_training = pl_module.training
+        pl_module.eval()
+        out = generate(
+            pl_module.model,
+            [prompt],
+            self.max_new_tokens,
+            SamplingConfig(temperature=self.temperature, top_k=self.top_k),
+            eos_id=self.tokenizer.eos_id,
+            seed=0,  # the same draw at every validation, so samples are comparable
+        )
+        pl_module.train(was_training)
+        text = self.prompt + self.tokenizer.decode(out.tokens[0])
+        step = trainer.global_step
+        self.rows.append([step, text])
+        print(f"\n--- sample at step {step} ---\n{text}\n---", flush=True)
+        with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
+            f.write(f"--- step {step} ---\n{text}\n")
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_text"):  # WandbLogger: a table that grows with each validation
+                logger.log_text(key="samples", columns=["step", "text"], data=self.rows, step=step)
+
+
+def build_callbacks(cfg, run_dir: Path, sample: TextSample | None) -> list[L.Callback]:
+    """Checkpoints (last + best by val/loss), LR monitor, progress bar, text samples."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    callbacks: list[L.Callback] = [
+        LearningRateMonitor(logging_interval="step"),
+        TQDMProgressBar(refresh_rate=cfg.progress_bar.refresh_rate),
+    ]
+    if cfg.checkpoint.save_last:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                filename="step{step:06d}",
+                auto_insert_metric_name=False,
+                save_last=True,
+                save_top_k=-1 if cfg.checkpoint.keep_all else 0,
+                every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+            )
+        )
+    if cfg.checkpoint.save_best:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                filename="best",
+                monitor="val/loss",
+                mode="min",
+                save_top_k=1,
+                enable_version_counter=False,
+            )
+        )
+    if sample is not None:
+        callbacks.append(sample)
+    return callbacks

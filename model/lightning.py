@@ -1,0 +1,156 @@
+"""LightningModule: next-token loss, AdamW + warmup/cosine, throughput/MFU and bits-per-char logging."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.llama import Llama
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss; the run stops before a bad model can be checkpointed."""
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup from ~0 to 1, then cosine decay to `min_lr_ratio` at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Achieved FLOP/s of a square matmul on this device: the denominator of our MFU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):  # warm up kernels / caches
+        a @ b
+    reps, best = 5, float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class LitLlama(L.LightningModule):
+    def __init__(
+        self,
+        model_config: dict,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: int = 1000,
+        compile: bool = False,
+        tokenizer: dict | None = None,
+        train_max_len: int | None = None,
+        chars_per_token: float | None = None,
+        log_every_n_steps: int = 10,
+    ):
+        super().__init__()
+        self.config = (
+            ModelConfig.from_dict(dict(model_config)) if isinstance(model_config, dict) else model_config
+        )
+        self.model = Llama(self.config)
+        self.lr, self.min_lr_ratio, self.weight_decay, self.betas = (
+            lr,
+            min_lr_ratio,
+            weight_decay,
+            tuple(betas),
+        )
+        self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.compile_model = compile
+        self.tokenizer_info = dict(tokenizer or {})
+        self.train_max_len = train_max_len
+        self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
+        self.log_every_n_steps = log_every_n_steps
+        self._tokens_since, self._time_since, self._peak_flops = 0, None, None
+
+    def configure_model(self) -> None:
+        if self.compile_model:
+            self.model.compile()  # in place: parameter names (and checkpoints) stay unchanged
+
+    def forward(self, idx, position_ids=None, kv_cache=None):
+        return self.model(idx, position_ids=position_ids, kv_cache=kv_cache)
+
+    def _loss(self, batch) -> torch.Tensor:
+        inputs, targets = batch  # (B, L) each, targets shifted by one
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        if not torch.isfinite(loss):  # stop before the optimizer step can poison the weights
+            raise NonFiniteLossError(
+                f"Loss became {loss.item()} at step {self.global_step}; stopping. The last good checkpoint "
+                "is kept: lower optim.lr, raise trainer.gradient_clip_val, or check the data."
+            )
+        self._log_throughput(batch[0].numel())
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def _log_throughput(self, tokens: int) -> None:
+        self._tokens_since += tokens
+        now = time.perf_counter()
+        if self._time_since is None:
+            self._time_since = now
+            return
+        if self.global_step % self.log_every_n_steps or self.global_step == 0:
+            return
+        elapsed = now - self._time_since
+        tokens_per_s = self._tokens_since * self.trainer.world_size / elapsed
+        if self._peak_flops is None:
+            self._peak_flops = measure_matmul_peak(self.device)
+        flops = self.model.flops_per_token(self.train_max_len or 0) * tokens_per_s
+        self.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
+        self.log("perf/mfu", flops / (self._peak_flops * self.trainer.world_size))
+        self._tokens_since, self._time_since = 0, time.perf_counter()
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is None:
+            return
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        if self.chars_per_token:
+            self.log("val/bpc", loss / math.log(2) / self.chars_per_token, prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self._loss(batch), on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        # Weight decay on matrices only: norms' gains are never decayed (embeddings are matrices too).
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        fused = self.device.type in ("cuda", "cpu")  # fused AdamW kernels exist for both
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps, self.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Plain data only: generate.py and scripts rebuild model + tokenizer from these alone.
+        checkpoint["model_config"] = self.config.to_dict()
+        checkpoint["tokenizer"] = self.tokenizer_info
+        checkpoint["train_max_len"] = self.train_max_len

@@ -1,0 +1,160 @@
+"""Train a LLaMA-style model: compose the Hydra config -> DataModule + LitLlama + Trainer -> fit.
+
+python train.py                                   # small model, embedded Shakespeare, CPU
+python train.py rope=ntk rope.factor=4 data.max_len=512 model=tiny trainer.max_steps=50
+python train.py -m rope=none,linear,ntk           # a sweep, one run directory per setting
+python train.py run_name=myrun ckpt_path=last     # resume runs/myrun exactly
+python train.py experiment=extend_context init_from=runs/<run>/checkpoints/last.ckpt
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from data import DataError
+from model.callbacks import AtomicCheckpointIO, TextSample, build_callbacks
+from model.checkpoint import CheckpointError, file_sha256, model_state_from_checkpoint, safe_load
+from model.config import ModelConfig
+from model.lightning import LitLlama, NonFiniteLossError
+from model.rope import RopeConfig
+
+VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
+
+
+def wandb_mode(requested: str) -> str:
+    """`auto`: online when logged in (WANDB_API_KEY or a netrc entry), else offline (no account needed)."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        return "online" if netrc.netrc().authenticators("api.wandb.ai") else "offline"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return "offline"
+
+
+def build_logger(cfg: DictConfig, run_dir: Path, full_cfg: DictConfig):
+    kind = cfg.kind
+    if kind == "csv":
+        return L.pytorch.loggers.CSVLogger(save_dir=run_dir, name="", version="")
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        logger = WandbLogger(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=run_dir.name,
+            save_dir=str(run_dir),
+            mode=wandb_mode(cfg.mode),
+            tags=list(cfg.tags),
+        )
+        logger.log_hyperparams(OmegaConf.to_container(full_cfg, resolve=True))
+        return logger
+    if kind == "none":
+        return False
+    raise ValueError(f"Unknown logger kind {kind!r}; choose logger=csv, logger=wandb or logger=none.")
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    if ckpt_path in (None, ""):
+        return None
+    if ckpt_path == "last":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise CheckpointError(
+                f"ckpt_path=last but {last} does not exist; pass run_name=<the run to resume> or a .ckpt path."
+            )
+        return str(last)
+    if not Path(ckpt_path).is_file():
+        raise CheckpointError(f"ckpt_path {ckpt_path} does not exist.")
+    return ckpt_path
+
+
+def setup_run(cfg: DictConfig):
+    """Everything before fit; every bad setting fails here with one sentence."""
+    L.seed_everything(cfg.seed, workers=True)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
+    tokenizer = datamodule.tokenizer
+    shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
+
+    rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
+    vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    model_config = ModelConfig(
+        vocab_size=vocab_size, rope=rope, **OmegaConf.to_container(cfg.model, resolve=True)
+    )
+    module = LitLlama(
+        model_config.to_dict(),
+        **OmegaConf.to_container(cfg.optim, resolve=True),
+        max_steps=cfg.trainer.max_steps,
+        compile=cfg.compile,
+        tokenizer={"path": str(Path(tokenizer.path).resolve()), "sha256": file_sha256(tokenizer.path)},
+        train_max_len=cfg.data.max_len,
+        chars_per_token=datamodule.chars_per_token("val"),
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+    )
+    if cfg.init_from:  # weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
+        state = model_state_from_checkpoint(safe_load(cfg.init_from))
+        try:
+            module.model.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"init_from {cfg.init_from} does not fit this model shape (same model= and data tokenizer needed): "
+                f"{str(e).splitlines()[0]}"
+            ) from None
+        print(f"Initialised weights from {cfg.init_from}")
+
+    sample = TextSample(tokenizer, run_dir, **OmegaConf.to_container(cfg.sample, resolve=True))
+    trainer = instantiate(
+        cfg.trainer,
+        logger=build_logger(cfg.logger, run_dir, cfg),
+        callbacks=build_callbacks(cfg.callbacks, run_dir, sample),
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=str(run_dir),
+    )
+    return run_dir, datamodule, module, trainer, resolve_ckpt_path(cfg.ckpt_path, run_dir)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Set up and fit; returns the final callback metrics (val/loss, val/ppl, val/bpc, ...)."""
+    run_dir, datamodule, module, trainer, ckpt_path = setup_run(cfg)
+    print(f"Run directory: {run_dir}  ({module.model.num_parameters() / 1e6:.2f}M parameters)")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if trainer.is_global_zero:
+        print(f"Checkpoints: {run_dir / 'checkpoints'} (last.ckpt, best.ckpt)")
+        summary = ", ".join(
+            f"{k}={metrics[k]:.4f}" for k in ("val/loss", "val/ppl", "val/bpc") if k in metrics
+        )
+        print(f"Final validation: {summary}")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        metrics = train(cfg)
+    except (DataError, CheckpointError, NonFiniteLossError, ValueError) as e:  # one sentence, no traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the developer's switch for the full traceback
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return metrics.get("val/loss")  # Hydra sweepers can minimise this
+
+
+if __name__ == "__main__":
+    main()
