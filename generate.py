@@ -168,6 +168,9 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly, as shells expect
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
