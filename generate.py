@@ -36,11 +36,25 @@ CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works wh
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GenerationError(f"Unknown device {name!r}; use auto, cpu, cuda or cuda:<index>.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerationError(
+            f"device={name} needs a CUDA GPU and none is available; use device=cpu or auto."
+        )
+    return device
+
+
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
     """Checkpoint -> model on the device (with the RoPE override, if any) + its tokenizer."""
     if cfg.dtype not in DTYPES:
         raise GenerationError(f"Unknown dtype {cfg.dtype!r}; valid dtypes are {', '.join(DTYPES)}.")
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     ckpt = load_checkpoint(cfg.ckpt)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file()))
     if tokenizer.vocab_size > ckpt.config.vocab_size:

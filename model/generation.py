@@ -118,9 +118,10 @@ class Generation:
 def left_pad(prompts: Sequence[Sequence[int]], start_pos: int, total: int, device) -> tuple:
     """Right-align prompts of different lengths.
 
-    Returns idx (B, n) with padding id 0, position_ids (B, total) where row i's first real token is at
-    start_pos and later slots continue from there (padding slots repeat start_pos; they are masked),
-    and key_mask (B, total) bool, False on padding slots, or None when no row is padded.
+    total: KV cache slots (>= n + new tokens). Returns idx (B, n) with padding id 0, position_ids
+    (B, total) where row i's first real token is at start_pos and later slots continue from there
+    (padding slots repeat start_pos; they are masked), and key_mask (B, total) bool, False on
+    padding slots, or None when no row is padded.
     """
     n = max(map(len, prompts))
     pad = torch.tensor([n - len(p) for p in prompts], device=device)[:, None]  # (B, 1)
@@ -129,7 +130,7 @@ def left_pad(prompts: Sequence[Sequence[int]], start_pos: int, total: int, devic
         idx[row, n - len(p) :] = torch.tensor(p, dtype=torch.long)
     slots = torch.arange(total, device=device)[None, :]  # (1, total)
     position_ids = start_pos + (slots - pad).clamp(min=0)
-    key_mask = slots >= pad if bool(pad.any()) else None
+    key_mask = slots >= pad if min(map(len, prompts)) < n else None
     return idx, position_ids, key_mask
 
 
@@ -179,7 +180,7 @@ def generate(
     device = model.embed.weight.device
     n, batch = max(map(len, prompts)), len(prompts)
     capacity = cache_capacity(n, max_new_tokens, cache_len)
-    idx, position_ids, key_mask = left_pad(prompts, start_pos, n + max_new_tokens, device)
+    idx, position_ids, key_mask = left_pad(prompts, start_pos, capacity, device)
     cache = KVCache.for_model(
         model.config,
         batch,
@@ -188,15 +189,13 @@ def generate(
         dtype=model.embed.weight.dtype,
         rope_seq_len=start_pos + n + max_new_tokens,  # fixed for the whole generation (dynamic NTK)
     )
-    if key_mask is not None:
-        cache.key_mask = F.pad(key_mask, (0, capacity - key_mask.shape[1]), value=True)
+    cache.key_mask = key_mask
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
 
     t0 = time.perf_counter()
     logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)
-    step = 0
     for step in range(max_new_tokens):
         next_token = sample(logits[:, -1], sampling, generator)  # (B,)
         for row, token in enumerate(next_token.tolist()):  # the one host sync per step

@@ -124,6 +124,7 @@ def test_left_padded_batch_equals_each_prompt_alone(model, tok, start_pos):
     batch = generate(model, prompts, 25, GREEDY, start_pos=start_pos).tokens
     alone = [generate(model, [p], 25, GREEDY, start_pos=start_pos).tokens[0] for p in prompts]
     assert batch == alone
+    assert generate(model, prompts, 25, GREEDY, start_pos=start_pos, cache_len=100).tokens == alone
     assert len({tuple(t) for t in batch}) == 3  # rows are not trivially identical
 
 
