@@ -230,23 +230,32 @@ class TextStream:
         self.text = ""  # complete text so far (cut at a stop string)
         self.stopped = False
         self._ids: list[int] = []
+        self._context = 0  # ids[_context:_decoded] is the last decoded piece
         self._decoded = 0  # ids[:_decoded] are already in self.text
         self._released = 0  # len of the text already returned
 
     def push(self, token: int) -> str:
         """Add one id; return the text that became final (maybe "")."""
         self._ids.append(token)
-        piece = self.decode(self._ids[self._decoded :])  # only the undecoded tail: O(1) per step
-        if piece.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next bytes
-            return ""
-        self._decoded = len(self._ids)
-        return self._extend(piece, final=False)
+        piece = self._decode_new(final=False)
+        return "" if piece is None else self._extend(piece, final=False)
 
     def finish(self) -> str:
         """End of generation: release everything still held back."""
-        piece = self.decode(self._ids[self._decoded :]) if self._decoded < len(self._ids) else ""
-        self._decoded = len(self._ids)
-        return self._extend(piece, final=True)
+        return self._extend(self._decode_new(final=True), final=True)
+
+    def _decode_new(self, final: bool) -> str | None:
+        """Text of the ids not decoded yet; None while their last UTF-8 character is incomplete.
+
+        Only a short window is decoded (O(1) per step), with the previous piece as context so that
+        tokenizers which drop a leading space at the start of a decode (SentencePiece) stay exact.
+        """
+        context = self.decode(self._ids[self._context : self._decoded])
+        window = self.decode(self._ids[self._context :])
+        if window.endswith("\ufffd") and not final:  # a character split across tokens: wait for its bytes
+            return None
+        self._context, self._decoded = self._decoded, len(self._ids)
+        return window[len(context) :]
 
     def _extend(self, piece: str, final: bool) -> str:
         if self.stopped:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import generate as cli
 from data.tokenizer import train_tokenizer
@@ -238,6 +240,21 @@ def test_text_stream_never_releases_broken_utf8(tok):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_text_stream_keeps_the_spaces_of_a_sentencepiece_style_tokenizer():
+    """Metaspace decoders drop the leading space of a decode: token-by-token decoding would glue words."""
+    sp = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    sp.train_from_iterator([TEXT] * 3, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *bytes_]))
+    ids = sp.encode("But soft, what light ✓ é").ids
+    stream = TextStream(sp.decode)
+    assert "".join([stream.push(i) for i in ids] + [stream.finish()]) == "But soft, what light ✓ é"
+    assert "".join(sp.decode([i]) for i in ids) != "But soft, what light ✓ é"  # the naive way fails
+
+
 def test_text_stream_stops_at_a_stop_string_and_holds_its_prefix(tok):
     stream = TextStream(tok.decode, stop=["\n\n"])
     pieces = []
@@ -286,46 +303,77 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
-def test_cli_streams_the_engines_greedy_text_and_reports_speed(run_dir, model, tok, tmp_path):
-    prompts_file = tmp_path / "prompts.txt"
-    prompts_file.write_text("ROMEO:\nJULIET: O Romeo\n")
-    text_file = tmp_path / "text.txt"
-    text_file.write_text(TEXT * 3)
-    with ThreadPoolExecutor(4) as pool:  # each run pays the interpreter + torch start-up; overlap them
-        single, batch, score, error = pool.map(
+def streamed_text(tok, ids: list[int]) -> str:
+    stream = TextStream(tok.decode)
+    for i in ids:
+        stream.push(i)
+    stream.finish()
+    return stream.text
+
+
+def test_cli_process_streams_the_engines_text_and_fails_cleanly(run_dir, model, tok):
+    """The two things only a real process shows: what reaches stdout/stderr, and the exit code."""
+    with ThreadPoolExecutor(2) as pool:  # each run pays the interpreter + torch start-up; overlap them
+        single, error = pool.map(
             lambda args: run_cli(f"ckpt={run_dir}", *args),
             [
                 ["prompt=ROMEO:", "greedy=true", "max_new_tokens=30", "rope=ntk", "rope.factor=8"],
-                [f"prompt_file={prompts_file}", "greedy=true", "max_new_tokens=30", "num_samples=2"],
-                ["mode=score", f"text_file={text_file}", "chunk=16"],
                 ["prompt=x", "top_p=0"],
             ],
         )
-    assert (
-        error.returncode == 2
-        and error.stderr == "error: top_p must be in (0, 1] (1 = no nucleus filter), got 0.0.\n"
-    )
-    for proc in (single, batch, score):
-        assert proc.returncode == 0, proc.stderr
-
+    assert single.returncode == 0, single.stderr
     ntk = copy.deepcopy(model)
     ntk.set_rope(RopeConfig(scaling="ntk", factor=8.0, original_max_len=L0))
-    expected = TextStream(tok.decode)
-    for t in generate(ntk, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]:
-        expected.push(t)
-    expected.finish()
-    assert single.stdout == "ROMEO:" + expected.text + "\n"
-    plain = generate(model, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]
-    assert tok.decode(plain) != expected.text  # the rope override really applied
+    expected = streamed_text(tok, generate(ntk, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0])
+    assert single.stdout == "ROMEO:" + expected + "\n"
+    plain = generate(model, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0]
+    assert streamed_text(tok, plain) != expected  # the rope override really applied
     assert "prompt tokens: " in single.stderr and "decode: " in single.stderr and "tokens/s" in single.stderr
 
-    assert batch.stdout.count("sample ") == 4 and "JULIET: O Romeo" in batch.stdout
+    assert error.returncode == 2
+    assert error.stderr == "error: top_p must be in (0, 1] (1 = no nucleus filter), got 0.0.\n"
 
-    tokens = torch.tensor(prompt_ids(tok, TEXT * 3))
-    losses = score_tokens(model, tokens, chunk=16)
-    overall = next(line for line in score.stdout.splitlines() if line.strip().startswith("overall"))
-    assert overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
-    assert "32..64" in score.stdout and "64..128" in score.stdout
+
+def run_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter.
+    Returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_prompt_file_batch_and_score(run_dir, model, tok, tmp_path, monkeypatch, capsys):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("ROMEO:\nJULIET: O Romeo\n")
+    args = [
+        f"ckpt={run_dir}",
+        f"prompt_file={prompts_file}",
+        "greedy=true",
+        "max_new_tokens=30",
+        "num_samples=2",
+    ]
+    code, out, _ = run_main(args, monkeypatch, capsys)
+    texts = ["ROMEO:", "ROMEO:", "JULIET: O Romeo", "JULIET: O Romeo"]
+    rows = generate(model, [prompt_ids(tok, t) for t in texts], 30, eos_id=tok.eos_id).tokens
+    expected = "".join(
+        f"{'-' * 20} sample {i}\n{t}{streamed_text(tok, r)}\n" for i, (t, r) in enumerate(zip(texts, rows))
+    )
+    assert code == 0 and out == expected
+
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT * 3)
+    code, out, _ = run_main(
+        [f"ckpt={run_dir}", "mode=score", f"text_file={text_file}", "chunk=16"], monkeypatch, capsys
+    )
+    losses = score_tokens(model, torch.tensor(prompt_ids(tok, TEXT * 3)), chunk=16)
+    overall = next(line for line in out.splitlines() if line.strip().startswith("overall"))
+    assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
+    assert "32..64" in out and "64..128" in out
 
 
 def corrupt_run(tmp_path: Path, run_dir: Path, what: str) -> Path:
@@ -339,69 +387,57 @@ def corrupt_run(tmp_path: Path, run_dir: Path, what: str) -> Path:
     return tmp_path / "no_tok" / "last.ckpt"
 
 
-CLI_ERRORS = {  # args (CKPT = the good run dir) -> the sentence on stderr
+CLI_ERRORS = {  # args ({CKPT} = the good run dir, ...) -> the sentence on stderr
     "missing checkpoint": (["ckpt=/nonexistent/run", "prompt=x"], "does not exist"),
-    "corrupt checkpoint": (["ckpt=CORRUPT", "prompt=x"], "not a readable PyTorch checkpoint"),
-    "missing tokenizer": (["ckpt=NO_TOKENIZER", "prompt=x"], "tokenizer of"),
-    "empty prompt": (["ckpt=CKPT", "prompt="], "The prompt is empty"),
-    "cache too small": (["ckpt=CKPT", "prompt=ROMEO", "max_new_tokens=50", "cache_len=20"], "cache_len=20"),
+    "corrupt checkpoint": (["ckpt={CORRUPT}", "prompt=x"], "not a readable PyTorch checkpoint"),
+    "missing tokenizer": (["ckpt={NO_TOKENIZER}", "prompt=x"], "tokenizer of"),
+    "empty prompt": (["ckpt={CKPT}", "prompt="], "The prompt is empty"),
+    "empty prompt line": (["ckpt={CKPT}", "prompt_file={BLANK_LINE}"], "Line 2 of"),
+    "cache too small": (["ckpt={CKPT}", "prompt=ROMEO", "max_new_tokens=50", "cache_len=20"], "cache_len=20"),
     "unknown rope scaling": (
-        ["ckpt=CKPT", "prompt=x", "rope=ntk", "rope.scaling=warp"],
+        ["ckpt={CKPT}", "prompt=x", "rope=ntk", "rope.scaling=warp"],
         "valid scalings are",
     ),
-    "top_p": (["ckpt=CKPT", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
-    "temperature": (["ckpt=CKPT", "prompt=x", "temperature=-1"], "temperature must be >= 0"),
-    "top_k": (["ckpt=CKPT", "prompt=x", "top_k=-3"], "top_k must be >= 0"),
+    "top_p": (["ckpt={CKPT}", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
+    "temperature": (["ckpt={CKPT}", "prompt=x", "temperature=-1"], "temperature must be >= 0"),
+    "top_k": (["ckpt={CKPT}", "prompt=x", "top_k=-3"], "top_k must be >= 0"),
 }
-
-
-def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter."""
-    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return exit_info.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", list(CLI_ERRORS))
 def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsys):
     paths = {"CKPT": run_dir, "CORRUPT": corrupt_run(tmp_path, run_dir, "corrupt")}
     paths["NO_TOKENIZER"] = corrupt_run(tmp_path, run_dir, "tok")
+    paths["BLANK_LINE"] = tmp_path / "prompts.txt"
+    paths["BLANK_LINE"].write_text("ROMEO:\n\nJULIET:\n")
     args, sentence = CLI_ERRORS[case]
-    args = [a.split("=")[0] + "=" + str(paths[a[5:]]) if a[5:] in paths else a for a in args]
-    code, err = main_in_process(args, monkeypatch, capsys)
+    args = [a.format(**paths) for a in args]
+    code, _, err = run_main(args, monkeypatch, capsys)
     assert code == 2, err
     assert err.startswith("error: ") and sentence in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_cli_stop_string_with_escapes(run_dir, model, tok, monkeypatch, capsys):
-    assert cli.unescape(r"a\n\nb\tc\\n é") == "a\n\nb\tc\\n é"
-    full = TextStream(tok.decode)
-    for t in generate(model, [prompt_ids(tok, "ROMEO:")], 30, GREEDY, eos_id=tok.eos_id).tokens[0]:
-        full.push(t)
-    full.finish()
-    text = full.text  # a random model's text: pick a 2-character stop string occurring first after 5
+def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
+    assert cli.unescape(r"a\n\nb\tc\\n é") == "a\n\nb\tc\\n é"  # how stop='["\n\n"]' reaches the engine
+    text = streamed_text(tok, generate(model, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0])
+    # a random model's text: the first 2-letter string after 5 characters that does not occur earlier
     cut = next(
-        i
-        for i in range(5, len(text) - 2)
-        if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+        i for i in range(5, len(text) - 2) if text[i : i + 2].isalnum() and text.find(text[i : i + 2]) == i
     )
-    escaped = (
-        text[cut : cut + 2]
-        .replace("\\", "\\\\")
-        .replace("\n", "\\n")
-        .replace("\t", "\\t")
-        .replace("'", "\\'")
-    )
-    args = [f"ckpt={run_dir}", "prompt=ROMEO:", "greedy=true", "max_new_tokens=30", f"stop=['{escaped}']"]
-    monkeypatch.setattr(sys, "argv", ["generate.py", *args])
-    cli.main()
-    assert capsys.readouterr().out == "ROMEO:" + text[:cut] + "\n"
+    args = [
+        f"ckpt={run_dir}",
+        "prompt=ROMEO:",
+        "greedy=true",
+        "max_new_tokens=30",
+        f"stop=[{text[cut : cut + 2]}]",
+    ]
+    code, out, _ = run_main(args, monkeypatch, capsys)
+    assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
 
 
 def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
     """Hydra rejects rope=<unknown> while composing, before main: non-zero, the options listed."""
-    code, err = main_in_process([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
+    code, _, err = run_main([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
     assert code != 0 and "Could not find 'rope/warp'" in err and "yarn" in err
     assert "Traceback" not in err
