@@ -6,6 +6,8 @@ depend on it. Used by the parity tests and by scripts/export_hf.py / scripts/imp
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from model.config import ModelConfig
@@ -44,6 +46,7 @@ def hf_rope_parameters(rope: RopeConfig, head_dim: int) -> tuple[dict, int | Non
             beta_slow=float(rope.beta_slow),
             truncate=True,
         )
+        max_positions = int(rope.original_max_len * rope.factor)  # the extended length, as HF states it
         if rope.attention_factor is not None:
             params["attention_factor"] = float(rope.attention_factor)
     elif s == "llama3":
@@ -54,6 +57,7 @@ def hf_rope_parameters(rope: RopeConfig, head_dim: int) -> tuple[dict, int | Non
             high_freq_factor=float(rope.high_freq_factor),
             original_max_position_embeddings=rope.original_max_len,
         )
+        max_positions = int(rope.original_max_len * rope.factor)  # Llama 3.1 style: 8192 * 16 = 131072
     if rope.attention_factor is not None and s != "yarn":
         raise ExportError(f"transformers supports an explicit attention_factor only with yarn, not {s!r}.")
     return params, max_positions
@@ -73,11 +77,86 @@ def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None)
         hidden_act="silu",
         max_position_embeddings=max_override or max_position_embeddings or cfg.rope.original_max_len,
         rms_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
         rope_parameters=rope_parameters,
+        source_rope=asdict(cfg.rope),  # ignored by HF; lets import_hf.py restore ntk / interleaved
     )
+
+
+HF_ROPE_KEYS = {  # rope_type -> the keys of rope_parameters we can map (anything else is refused)
+    "default": {"rope_theta"},
+    "linear": {"rope_theta", "factor", "original_max_position_embeddings"},
+    "dynamic": {"rope_theta", "factor", "original_max_position_embeddings"},
+    "yarn": {"rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
+    | {"attention_factor", "truncate"},
+    "llama3": {"rope_theta", "factor", "original_max_position_embeddings"}
+    | {"low_freq_factor", "high_freq_factor"},
+}
+HF_SCALINGS = {
+    "default": "none",
+    "linear": "linear",
+    "dynamic": "dynamic_ntk",
+    "yarn": "yarn",
+    "llama3": "llama3",
+}
+
+
+def rope_config_from_hf(params: dict, max_position_embeddings: int) -> RopeConfig:
+    """Inverse of `hf_rope_parameters`: LlamaConfig.rope_parameters -> RopeConfig (half layout)."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in HF_ROPE_KEYS:
+        raise ExportError(
+            f"rope_type {rope_type!r} has no equivalent here; supported are {', '.join(HF_ROPE_KEYS)}."
+        )
+    extra = {k: v for k, v in params.items() if k not in HF_ROPE_KEYS[rope_type] | {"rope_type"}}
+    if any(v is not None and not (k == "partial_rotary_factor" and v == 1.0) for k, v in extra.items()):
+        raise ExportError(
+            f"rope_parameters keys {sorted(extra)} are not supported with rope_type {rope_type!r}."
+        )
+    if rope_type == "yarn" and params.get("truncate") is False:
+        raise ExportError("yarn with truncate=false is not supported; our YaRN rounds the correction range.")
+    rope = dict(base=float(params["rope_theta"]), scaling=HF_SCALINGS[rope_type])
+    rope["original_max_len"] = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    if rope_type == "dynamic":  # HF's dynamic scaling is relative to max_position_embeddings
+        rope["original_max_len"] = int(max_position_embeddings)
+    shared = ("factor", "beta_fast", "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor")
+    rope |= {k: float(params[k]) for k in shared if params.get(k) is not None}  # same names on both sides
+    return RopeConfig(**rope)
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Inverse of `hf_config_dict`: a LlamaConfig dict -> ModelConfig (training-only fields at defaults)."""
+    if hf.get("model_type") != "llama":
+        raise ExportError(f"model_type {hf.get('model_type')!r} is not supported; only 'llama' is.")
+    for key, allowed in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if hf.get(key, allowed) != allowed:
+            raise ExportError(f"{key}={hf[key]!r} is not supported; this model needs {key}={allowed!r}.")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise ExportError(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads is not supported.")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        ffn_hidden=hf["intermediate_size"],
+        norm_eps=hf["rms_norm_eps"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=hf.get("initializer_range", 0.02),
+        rope=source_rope(hf) or rope_config_from_hf(hf["rope_parameters"], hf["max_position_embeddings"]),
+    )
+
+
+def source_rope(hf: dict) -> RopeConfig | None:
+    """The RopeConfig recorded at export, if the config's rope_parameters still say exactly that."""
+    if not isinstance(hf.get("source_rope"), dict):
+        return None
+    rope = RopeConfig(**hf["source_rope"])
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    return rope if hf_rope_parameters(rope, head_dim)[0] == hf["rope_parameters"] else None
 
 
 def interleaved_to_half(weight: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:

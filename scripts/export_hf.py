@@ -1,0 +1,122 @@
+"""Export a checkpoint as a Hugging Face `LlamaForCausalLM` directory (transformers, vLLM, llama.cpp).
+
+    python scripts/export_hf.py ckpt=runs/shakespeare out=exports/shakespeare-hf
+    python scripts/export_hf.py ckpt=runs/shakespeare/checkpoints/last.ckpt out=exports/x overwrite=true
+
+The directory loads with `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`
+and nothing else. The mapping itself lives in model/hf.py; docs/export.md lists what maps to what.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/export_hf.py`
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from safetensors.torch import save_file
+from tokenizers import processors
+from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+from data.tokenizer import BOS, EOS, Tokenizer
+from model.checkpoint import load_checkpoint
+from model.hf import hf_config_dict, to_hf_state_dict
+from model.rope import ntk_base
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty `out` unless overwriting, and a file where the directory should go."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={out} is a file; give a directory path.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"out={out} is not empty; pass overwrite=true to replace it.")
+
+
+def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """Our tokenizer as a transformers fast tokenizer that prepends bos, like generate.py and training."""
+    backend = copy.deepcopy(tok.hf)  # ours stays untouched; the post-processor only applies to special tokens
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        clean_up_tokenization_spaces=False,  # byte-level BPE decodes exactly; no " ," -> "," rewriting
+    )
+
+
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished temp dir to `out`; an old `out` is moved aside first and removed last."""
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
+        os.replace(out, old / out.name)
+    elif out.is_dir():
+        out.rmdir()  # an empty target directory (e.g. made by the caller) is simply replaced
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write checkpoint `ckpt` as a Hugging Face Llama directory at `out`; returns `out`.
+
+    Raises ValueError (one sentence) before writing anything if the model or `out` cannot be exported.
+    """
+    out = Path(out).expanduser().resolve()
+    check_out(out, overwrite)
+    loaded = load_checkpoint(ckpt)
+    cfg = loaded.config
+    hf_config = LlamaConfig(**hf_config_dict(cfg), architectures=["LlamaForCausalLM"], dtype="float32")
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
+    hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
+    if cfg.rope.scaling == "ntk":
+        base = ntk_base(cfg.rope.base, cfg.rope.factor, cfg.head_dim)
+        print(f"note: static ntk exported as plain RoPE with rope_theta={base} (identical frequencies).")
+    state = to_hf_state_dict(loaded.model.state_dict(), cfg)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(
+        tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp.")
+    )  # same filesystem: rename is atomic
+    try:
+        hf_config.save_pretrained(tmp)
+        save_file(
+            state, tmp / "model.safetensors", metadata={"format": "pt"}
+        )  # "pt": what transformers expects
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id
+        ).save_pretrained(tmp)
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="export_hf")
+def main(cfg: DictConfig) -> None:
+    try:
+        for key in ("ckpt", "out"):
+            if OmegaConf.is_missing(cfg, key):
+                raise ValueError(f"No {key} given; pass ckpt=<.ckpt file or run directory> out=<directory>.")
+        path = export(cfg.ckpt, cfg.out, overwrite=bool(cfg.overwrite))
+        print(f"Exported {cfg.ckpt} to {path}")
+    except (ValueError, OSError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
+        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
