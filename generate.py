@@ -114,7 +114,8 @@ def run_sample(
 ) -> None:
     texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
     prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]  # documents start with bos in training
-    streams = [TextStream(tok.decode, [unescape(s) for s in cfg.stop]) for _ in prompts]
+    stop = [cfg.stop] if isinstance(cfg.stop, str) else cfg.stop  # stop="END" is one string, not 3 letters
+    streams = [TextStream(tok.decode, [unescape(s) for s in stop]) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
 
     def on_token(row: int, token: int) -> bool:

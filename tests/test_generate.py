@@ -421,9 +421,14 @@ def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsy
 def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
     assert cli.unescape(r"a\n\nb\tc\\n é") == "a\n\nb\tc\\n é"  # how stop='["\n\n"]' reaches the engine
     text = streamed_text(tok, generate(model, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0])
-    # a random model's text: the first 2-letter string after 5 characters that does not occur earlier
+    # a random model's text: a 2-letter string that does not occur earlier, though one of its letters does
+    # (so a string split into single-letter stop strings would cut earlier)
     cut = next(
-        i for i in range(5, len(text) - 2) if text[i : i + 2].isalnum() and text.find(text[i : i + 2]) == i
+        i
+        for i in range(5, len(text) - 2)
+        if text[i : i + 2].isalnum()
+        and text.find(text[i : i + 2]) == i
+        and min(text.find(c) for c in text[i : i + 2]) < i
     )
     args = [
         f"ckpt={run_dir}",
@@ -433,6 +438,10 @@ def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
         f"stop=[{text[cut : cut + 2]}]",
     ]
     code, out, _ = run_main(args, monkeypatch, capsys)
+    assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
+    code, out, _ = run_main(
+        args[:-1] + [f"stop={text[cut : cut + 2]}"], monkeypatch, capsys
+    )  # a string, not a list
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
 
 
