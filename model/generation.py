@@ -329,17 +329,13 @@ def position_buckets(losses: torch.Tensor, train_len: int, start_pos: int = 0) -
 
     losses: (N,) as returned by score_tokens; losses[i] was predicted at position start_pos + i.
     """
-    positions = torch.arange(start_pos, start_pos + losses.numel(), device=losses.device)
-    last = start_pos + losses.numel()
-    edges = [0, train_len]
-    while edges[-1] < last:
-        edges.append(2 * edges[-1])
-    buckets = []
-    for lo, hi in zip(edges, edges[1:]):
-        in_bucket = (positions >= lo) & (positions < hi)
-        count = int(in_bucket.sum())
-        if count:
-            buckets.append(Bucket(lo, hi, count, float(losses[in_bucket].double().mean())))
+    buckets, end = [], start_pos + losses.numel()
+    lo, hi = 0, train_len
+    while lo < end:
+        first, last = max(lo, start_pos) - start_pos, min(hi, end) - start_pos  # slice of `losses`
+        if last > first:
+            buckets.append(Bucket(lo, hi, last - first, float(losses[first:last].double().mean())))
+        lo, hi = hi, 2 * hi
     return buckets
 
 
