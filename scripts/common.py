@@ -1,0 +1,130 @@
+"""What the evaluation scripts share: the CLI error convention, the method grid, held-out documents.
+
+Scripts put the repo root on sys.path and then `from scripts.common import ...`.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model.checkpoint import LoadedCheckpoint
+from model.evaluation import CKPT_METHOD, matched_factor, method_rope
+from model.generation import override_rope
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (tests)
+
+
+def one_sentence_errors(main):
+    """User errors (ValueError, bad config) print `error: <sentence>` and exit 2, as generate.py does."""
+
+    @functools.wraps(main)
+    def wrapper(cfg: DictConfig):
+        try:
+            return main(cfg)
+        except (ValueError, OmegaConfBaseException) as e:
+            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper
+
+
+def check_common(cfg: DictConfig) -> None:
+    """Options shared by the scripts, checked before the (slow) checkpoint load."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
+    if OmegaConf.is_missing(cfg, "out"):
+        raise ValueError("No output directory given; pass out=<directory for the results>.")
+    lengths = list(cfg.lengths)
+    if not lengths or any(not isinstance(t, int) or t < 2 for t in lengths):
+        raise ValueError(f"lengths must be a non-empty list of integers >= 2, got {lengths}.")
+    if not list(cfg.methods):
+        raise ValueError(
+            "methods is empty; give e.g. methods=[none,yarn] (ckpt = the checkpoint's own RoPE)."
+        )
+    if cfg.factor != "matched" and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
+        raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
+    if cfg.threads is not None:
+        torch.set_num_threads(int(cfg.threads))
+
+
+def train_length(ckpt: LoadedCheckpoint) -> int:
+    """The length the checkpoint was (last) trained at: the `original_max_len` of every method."""
+    return ckpt.train_max_len or ckpt.config.rope.original_max_len
+
+
+def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
+    """The requested methods, plus `ckpt` when the checkpoint was trained with a RoPE scaling."""
+    names = list(dict.fromkeys(str(m) for m in requested))  # de-duplicated, order kept
+    if ckpt.config.rope.scaling != "none" and CKPT_METHOD not in names:
+        names.append(CKPT_METHOD)
+    return names
+
+
+def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
+    """{method: (RopeConfig, its factor)} for one evaluation length; `matched` = T / training length."""
+    train_len = train_length(ckpt)
+    factor = matched_factor(length, train_len) if cfg.factor == "matched" else float(cfg.factor)
+    extra = OmegaConf.to_container(cfg.rope_options, resolve=True)
+    own = ckpt.config.rope
+    base = override_rope(own, {"original_max_len": own.original_max_len, **extra}) if extra else own
+    ropes = {m: method_rope(base, m, factor, train_len) for m in methods}
+    return {m: (rope, rope.factor) for m, rope in ropes.items()}
+
+
+def datamodule_for(cfg: DictConfig, ckpt: LoadedCheckpoint):
+    """The data module of the checkpoint's training run (runs/<run>/.hydra/config.yaml), or the
+    `data=<group>` given on the command line; the tokenizer must be the checkpoint's."""
+    if cfg.get("data") is not None:
+        data_cfg = cfg.data.copy()
+        if data_cfg.get("tokenizer_path") is None:  # tokenize with the checkpoint's own tokenizer
+            data_cfg.tokenizer_path = str(ckpt.tokenizer_file())
+    else:
+        saved = ckpt.path.parent.parent / ".hydra" / "config.yaml"
+        if not saved.is_file():
+            raise ValueError(
+                f"Cannot find the training config {saved} to rebuild the data; pass data=<group> "
+                "(e.g. data=shakespeare) to say which data the checkpoint was trained on."
+            )
+        data_cfg = OmegaConf.load(saved).data
+    datamodule = instantiate(data_cfg)
+    if ckpt.tokenizer_sha256 and datamodule.tokenizer.sha256 != ckpt.tokenizer_sha256:
+        raise ValueError(
+            f"The data's tokenizer ({datamodule.tokenizer.path}) is not the one {ckpt.path} was trained "
+            f"with; pass data.tokenizer_path={ckpt.tokenizer_file()}."
+        )
+    return datamodule
+
+
+def long_documents(cfg: DictConfig, ckpt: LoadedCheckpoint, min_tokens: int) -> list[np.ndarray]:
+    """Held-out documents of `cfg.split` with at least `min_tokens` tokens; fails if there are none."""
+    documents = datamodule_for(cfg, ckpt).documents(cfg.split)
+    long = [d for d in documents if len(d) >= min_tokens]
+    if not long:
+        longest = max((len(d) for d in documents), default=0)
+        raise ValueError(
+            f"No {cfg.split} document has the {min_tokens} tokens the longest length needs (the longest has "
+            f"{longest}); lower lengths or use data with longer documents."
+        )
+    print(
+        f"{len(long)} of {len(documents)} {cfg.split} documents have >= {min_tokens} tokens "
+        f"({', '.join(str(len(d)) for d in long)} tokens)."
+    )
+    return long
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    """rows -> CSV with a header (the first row's keys unless `fields` is given)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,212 @@
+"""Perplexity beyond the training length, for every RoPE scaling method, on held-out documents.
+
+    python scripts/eval_extrapolation.py ckpt=runs/base out=results/base \
+        lengths=[256,512,1024,2048,4096] methods=[none,linear,ntk,dynamic_ntk,yarn,llama3]
+    python scripts/eval_extrapolation.py ckpt=runs/pi out=results/pi methods=[ckpt] sliding_stride=128
+
+Writes to `out`: results.csv (method x length x metric, with 95% bootstrap intervals), results.md
+(one table per metric), curves.csv (bucketed loss vs position), ppl_vs_length.png and
+loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
+
+import hydra
+import matplotlib
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from generate import load
+from model.evaluation import (
+    bootstrap_mean,
+    bucket_curve,
+    perplexity,
+    sliding_window_losses,
+    split_windows,
+    window_losses,
+)
+from scripts.common import (
+    CONFIGS,
+    check_common,
+    long_documents,
+    method_names,
+    method_ropes,
+    one_sentence_errors,
+    train_length,
+    write_csv,
+)
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+METRICS = {
+    "ppl": "perplexity over whole windows of T tokens (one pass from position 0)",
+    "tail_ppl": "perplexity over the last L positions of each window (L = training length)",
+    "sliding_ppl": "Press-style sliding-window perplexity (windows of T, scored every `sliding_stride`)",
+}
+CSV_FIELDS = [
+    "method", "length", "factor", "metric", "value", "loss", "ci_low", "ci_high",
+    "n_windows", "n_documents", "bootstrap",
+]  # fmt: skip
+
+
+def metric_row(name: str, per_window: torch.Tensor, owners: torch.Tensor, cfg: DictConfig, **keys) -> dict:
+    """One results.csv row: perplexity of the mean loss over windows and its bootstrap interval."""
+    groups = owners if cfg.bootstrap == "document" else None
+    loss, low, high = bootstrap_mean(per_window, groups, n_boot=cfg.n_boot, seed=cfg.seed)
+    return {
+        **keys,
+        "metric": name,
+        "value": perplexity(loss),
+        "loss": loss,
+        "ci_low": perplexity(low),
+        "ci_high": perplexity(high),
+        "n_windows": len(per_window),
+        "n_documents": len(owners.unique()),
+        "bootstrap": cfg.bootstrap,
+    }
+
+
+def evaluate_grid(
+    cfg: DictConfig, ckpt, methods: list[str], documents: list
+) -> tuple[list[dict], list[dict]]:
+    """Every (length, method) cell on the same documents -> (results rows, curve rows)."""
+    train_len = train_length(ckpt)
+    rows, curves = [], []
+    cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
+    windows = {}
+    for length, method in tqdm(cells, desc="eval", unit="cell"):
+        if length not in windows:
+            windows[length] = split_windows(documents, length, cfg.max_windows)
+        wins, owners = windows[length]
+        rope, factor = method_ropes(cfg, ckpt, methods, length)[method]
+        ckpt.model.set_rope(rope)
+        losses = window_losses(ckpt.model, wins, cfg.chunk)  # (W, T)
+        keys = {"method": method, "length": length, "factor": factor}
+        rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
+        rows.append(metric_row("tail_ppl", losses[:, -train_len:].mean(1), owners, cfg, **keys))
+        if cfg.sliding_stride is not None:
+            stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
+            sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk)
+            rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
+        for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
+            curves.append({**keys, "start": start, "end": end, "loss": loss})
+    return rows, curves
+
+
+def fmt(value: float) -> str:
+    return f"{value:,.2f}" if value < 1e5 else f"{value:.2e}"
+
+
+def markdown_tables(rows: list[dict], header: str) -> str:
+    """One table per metric: rows methods, columns lengths, the best (lowest) per column in bold."""
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    out = [header]
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        cell = {(r["method"], r["length"]): r["value"] for r in rows if r["metric"] == metric}
+        best = {t: min(cell[m, t] for m in methods) for t in lengths}
+        out += [f"\n### {metric}: {METRICS[metric]}\n", "| method | " + " | ".join(map(str, lengths)) + " |"]
+        out.append("|---" * (len(lengths) + 1) + "|")
+        for m in methods:
+            values = [f"**{fmt(cell[m, t])}**" if cell[m, t] == best[t] else fmt(cell[m, t]) for t in lengths]
+            out.append(f"| {m} | " + " | ".join(values) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_ppl_vs_length(rows: list[dict], train_len: int, path: Path) -> None:
+    """Perplexity (and tail perplexity) vs evaluation length, one line per method, 95% bands."""
+    metrics = [m for m in ("ppl", "tail_ppl") if any(r["metric"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            sel = sorted(
+                (r for r in rows if r["metric"] == metric and r["method"] == method),
+                key=lambda r: r["length"],
+            )
+            x = [r["length"] for r in sel]
+            ax.plot(x, [r["value"] for r in sel], marker="o", label=method)
+            ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel], alpha=0.15)
+        ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)  # the training length
+        ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=metric, title=metric)
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss_vs_position(curves: list[dict], train_len: int, path: Path) -> None:
+    """Loss vs position at the longest length, one curve per method."""
+    longest = max(c["length"] for c in curves)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(c["method"] for c in curves):
+        sel = [c for c in curves if c["method"] == method and c["length"] == longest]
+        ax.plot([(c["start"] + c["end"]) / 2 for c in sel], [c["loss"] for c in sel], label=method)
+    ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
+    ax.set(xlabel="position", ylabel="loss (nats / token)", title=f"loss vs position at T={longest}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def check_options(cfg: DictConfig) -> None:
+    check_common(cfg)
+    if cfg.bootstrap not in ("window", "document"):
+        raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
+    if cfg.max_windows is not None and cfg.max_windows < 1:
+        raise ValueError(f"max_windows must be a positive integer or null, got {cfg.max_windows}.")
+    if cfg.sliding_stride is not None and cfg.sliding_stride < 1:
+        raise ValueError(
+            f"sliding_stride must be a positive number of tokens or null, got {cfg.sliding_stride}."
+        )
+
+
+@torch.inference_mode()
+def run(cfg: DictConfig) -> list[dict]:
+    check_options(cfg)
+    ckpt, _ = load(cfg)
+    methods = method_names(cfg.methods, ckpt)
+    documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
+    rows, curves = evaluate_grid(cfg, ckpt, methods, documents)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_len = train_length(ckpt)
+    n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}
+    note = (
+        f"# Extrapolation: {ckpt.path}\n\nTraining length L = {train_len}; {len(documents)} {cfg.split} documents, "
+        f"up to {cfg.max_windows} non-overlapping windows each (windows per length: {n_windows}). "
+        f"Factors: {cfg.factor}. 95% intervals (results.csv) bootstrap over {cfg.bootstrap}s, seed {cfg.seed}"
+        + (
+            " (windows of one document are correlated: the intervals are optimistic)."
+            if cfg.bootstrap == "window"
+            else "."
+        )
+    )
+    print(note.split("\n\n", 1)[1])
+    write_csv(out / "results.csv", rows, CSV_FIELDS)
+    write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
+    (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
+    plot_ppl_vs_length(rows, train_len, out / "ppl_vs_length.png")
+    plot_loss_vs_position(curves, train_len, out / "loss_vs_position.png")
+    print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
+    print(f"Wrote {out}/results.csv, results.md, curves.csv, ppl_vs_length.png, loss_vs_position.png")
+    return rows
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="eval")
+@one_sentence_errors
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Passkey retrieval (Landmark attention, Mohtashami & Jaggi 2023) at lengths beyond training.
+
+    python scripts/passkey.py ckpt=runs/base out=results/passkey lengths=[256,1024,4096] trials=5
+
+A 5-digit key is hidden at a given depth of repeated filler text, then the model is asked for it.
+Two scores per trial: greedy generation (the first integer in the output must be the key) and
+likelihood ranking (the key's continuation must be the most likely of `candidates` random keys).
+Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per method x length x
+depth) and passkey_<method>.png (length x depth heatmaps). Options: configs/passkey.yaml.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
+
+import hydra
+import matplotlib
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from data.tokenizer import Tokenizer
+from generate import load
+from model.evaluation import continuation_logprobs
+from model.generation import GREEDY, generate
+from scripts.common import CONFIGS, check_common, method_names, method_ropes, one_sentence_errors, write_csv
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    tokens: list[int]  # bos + intro + filler... + needle + filler... + question
+    key: int
+    needle_start: int  # token index where the needle sentence begins
+    depth: float  # realised depth: filler repetitions before the needle / all repetitions
+
+
+def build_prompt(tok: Tokenizer, length: int, depth: float, key: int) -> PasskeyPrompt:
+    """A prompt of about `length` tokens (never more, unless the fixed parts alone are longer) with
+    the needle after round(depth * repetitions) of the filler. Pieces are tokenized separately and
+    concatenated, so the needle's token position is exact."""
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {depth}.")
+    intro, filler, question = tok.encode(INTRO), tok.encode(FILLER), tok.encode(QUESTION)
+    needle = tok.encode(NEEDLE.format(key=key))
+    fixed = 1 + len(intro) + len(needle) + len(question)
+    repeats = max(0, (length - fixed) // len(filler))
+    before = round(depth * repeats)
+    tokens = [tok.bos_id, *intro, *filler * before, *needle, *filler * (repeats - before), *question]
+    return PasskeyPrompt(tokens, key, 1 + len(intro) + before * len(filler), before / max(repeats, 1))
+
+
+def first_integer(text: str) -> int | None:
+    """The first run of digits in `text` as an int (" 71432." -> 71432), None if there is none."""
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) -> list[int]:
+    """`n` distinct 5-digit keys (10000..99999), none equal to `exclude`."""
+    keys: list[int] = []
+    while len(keys) < n:
+        k = int(rng.integers(10_000, 100_000))
+        if k != exclude and k not in keys:
+            keys.append(k)
+    return keys
+
+
+def run_cell(model, tok: Tokenizer, prompts: list[PasskeyPrompt], cfg: DictConfig, rng) -> list[dict]:
+    """Greedy answers (one left-padded batch) and likelihood ranks for the prompts of one cell."""
+    out = generate(model, [p.tokens for p in prompts], cfg.max_new_tokens, GREEDY, eos_id=tok.eos_id)
+    rows = []
+    for p, new in zip(prompts, out.tokens):
+        answer = tok.decode(new)
+        decoys = random_keys(rng, cfg.candidates - 1, exclude=p.key)
+        scores = continuation_logprobs(model, p.tokens, [tok.encode(f" {k}") for k in (p.key, *decoys)])
+        rows.append(
+            {
+                "tokens": len(p.tokens),
+                "depth_real": p.depth,
+                "key": p.key,
+                "answer": answer,
+                "greedy_correct": int(first_integer(answer) == p.key),
+                "rank_correct": int(int(np.argmax(scores)) == 0),  # the true key is candidate 0
+            }
+        )
+    return rows
+
+
+def accuracy_table(trials: list[dict]) -> list[dict]:
+    """Mean greedy and ranking accuracy per (method, length, depth)."""
+    cells: dict[tuple, list[dict]] = {}
+    for t in trials:
+        cells.setdefault((t["method"], t["length"], t["depth"], t["factor"]), []).append(t)
+    return [
+        {
+            "method": m,
+            "length": length,
+            "depth": d,
+            "factor": f,
+            "trials": len(rows),
+            "greedy_acc": float(np.mean([r["greedy_correct"] for r in rows])),
+            "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
+        }
+        for (m, length, d, f), rows in cells.items()
+    ]
+
+
+def plot_heatmaps(table: list[dict], method: str, chance: float, path: Path) -> None:
+    """Accuracy heatmaps (rows lengths, columns depths): greedy and likelihood ranking."""
+    sel = [r for r in table if r["method"] == method]
+    lengths, depths = sorted({r["length"] for r in sel}), sorted({r["depth"] for r in sel})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.5 * len(lengths) + 2.5))
+    for ax, (key, title) in zip(
+        axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]
+    ):
+        grid = np.array(
+            [
+                [next(r[key] for r in sel if r["length"] == t and r["depth"] == d) for d in depths]
+                for t in lengths
+            ]
+        )
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths)
+        ax.set(xlabel="depth", ylabel="length (tokens)", title=f"{method}: {title}")
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, f"{v:.0%}", ha="center", va="center", color="white" if v < 0.5 else "black")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@torch.inference_mode()
+def run(cfg: DictConfig) -> list[dict]:
+    check_common(cfg)
+    if cfg.trials < 1 or cfg.candidates < 2:
+        raise ValueError(f"trials must be >= 1 and candidates >= 2, got {cfg.trials} and {cfg.candidates}.")
+    for d in cfg.depths:
+        if not 0 <= d <= 1:
+            raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d}.")
+    ckpt, tok = load(cfg)
+    methods = method_names(cfg.methods, ckpt)
+    rng = np.random.default_rng(cfg.seed)
+    trials = []
+    cells = [(t, d) for t in sorted(cfg.lengths) for d in cfg.depths]
+    for length, depth in tqdm(cells, desc="passkey", unit="cell"):
+        keys = random_keys(rng, cfg.trials)
+        prompts = [build_prompt(tok, length, depth, k) for k in keys]  # the same prompts for every method
+        for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
+            ckpt.model.set_rope(rope)
+            cell_rng = np.random.default_rng([cfg.seed, length, round(depth * 100)])  # same decoys per method
+            for row in run_cell(ckpt.model, tok, prompts, cfg, cell_rng):
+                trials.append({"method": method, "length": length, "depth": depth, "factor": factor, **row})
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = accuracy_table(trials)
+    write_csv(out / "trials.csv", trials)
+    write_csv(out / "passkey.csv", table)
+    chance = 1 / cfg.candidates
+    for method in methods:
+        plot_heatmaps(table, method, chance, out / f"passkey_{method}.png")
+        rows = [r for r in table if r["method"] == method]
+        print(
+            f"{method:>12}: greedy {np.mean([r['greedy_acc'] for r in rows]):.0%}, "
+            f"ranking {np.mean([r['rank_acc'] for r in rows]):.0%} over all cells"
+        )
+    print(
+        f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit key). "
+        f"Wrote {out}/trials.csv, passkey.csv, passkey_<method>.png"
+    )
+    return table
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="passkey")
+@one_sentence_errors
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

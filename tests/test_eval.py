@@ -1,0 +1,289 @@
+"""Extrapolation evaluation: metrics against the training loss, the KV-cache scorer, bootstrap, passkey, CLIs."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from data.tokenizer import Tokenizer
+from model.checkpoint import load_checkpoint
+from model.evaluation import (
+    bootstrap_mean,
+    continuation_logprobs,
+    matched_factor,
+    method_rope,
+    sliding_losses,
+    split_windows,
+    window_losses,
+)
+from model.generation import score_tokens
+from model.lightning import LitLlama
+from scripts import eval_extrapolation, passkey
+from scripts.common import datamodule_for, method_ropes
+from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
+from train import train
+
+L0 = 32  # the tiny run's training length
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny model trained for a few seconds, with the saved Hydra config train.py's CLI writes."""
+    tmp = tmp_path_factory.mktemp("eval")
+    corpus = small_corpus(tmp / "corpus", n_files=8, chars=12000)  # test documents of ~4k tokens
+    run = tmp / "run"
+    cfg = compose_train(tiny_overrides(tmp, corpus) + ["trainer.max_steps=30", "optim.lr=1e-2"], run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models are fastest on one thread, and the machine is shared
+    train(cfg)
+    (run / ".hydra").mkdir()
+    OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, run / ".hydra" / "config.yaml")
+    yield run
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ckpt(run_dir):
+    return load_checkpoint(run_dir)
+
+
+def compose_script(name: str, run_dir, out, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(name, overrides=[f"ckpt={run_dir}", f"out={out}", "device=cpu", *overrides])
+
+
+def eval_cfg(run_dir, out, *overrides: str):
+    return compose_script("eval", run_dir, out, "max_windows=3", "n_boot=200", *overrides)
+
+
+def rows_by(path) -> dict[tuple, dict]:
+    with open(path) as f:
+        return {(r["method"], int(r["length"]), r["metric"]): r for r in csv.DictReader(f)}
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def test_grid_writes_csv_markdown_and_plots(run_dir, tmp_path):
+    cfg = eval_cfg(
+        run_dir, tmp_path, "lengths=[16,32,128]", "methods=[none,linear,yarn]", "sliding_stride=16"
+    )
+    eval_extrapolation.run(cfg)
+    rows = rows_by(tmp_path / "results.csv")
+    assert len(rows) == 3 * 3 * 3  # methods x lengths x {ppl, tail_ppl, sliding_ppl}
+    for (method, length, _metric), r in rows.items():
+        assert float(r["ci_low"]) <= float(r["value"]) <= float(r["ci_high"]), r
+        assert int(r["n_windows"]) >= 2 and math.isclose(float(r["value"]), math.exp(float(r["loss"])))
+        assert float(r["factor"]) == (1.0 if method == "none" else matched_factor(length, L0))
+    for metric in ("ppl", "tail_ppl"):  # within the training length nothing is scaled: the same numbers
+        assert rows["none", 16, metric]["value"] == rows["yarn", 16, metric]["value"]
+    assert rows["none", 128, "ppl"]["value"] != rows["linear", 128, "ppl"]["value"]  # scaling does act
+    md = (tmp_path / "results.md").read_text()
+    assert "### ppl" in md and "### tail_ppl" in md and "### sliding_ppl" in md and "**" in md
+    assert "| none |" in md and "| 16 | 32 | 128 |" in md
+    for png in ("ppl_vs_length.png", "loss_vs_position.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(tmp_path / "curves.csv") as f:
+        curve = [r for r in csv.DictReader(f) if r["method"] == "none" and r["length"] == "128"]
+    assert curve[0]["start"] == "0" and curve[-1]["end"] == "128"
+
+
+def test_matched_and_fixed_factors(ckpt, run_dir, tmp_path):
+    assert [matched_factor(t, 256) for t in (128, 256, 1024, 4096)] == [1.0, 1.0, 4.0, 16.0]
+    matched = method_ropes(eval_cfg(run_dir, tmp_path), ckpt, ["yarn", "ntk"], 128)
+    assert matched["yarn"][0].factor == 4.0 and matched["yarn"][0].original_max_len == L0
+    assert matched["ntk"][1] == 4.0 and matched["ntk"][0].scaling == "ntk"
+    fixed = method_ropes(eval_cfg(run_dir, tmp_path, "factor=16"), ckpt, ["linear"], 64)
+    assert fixed["linear"][0].factor == 16.0
+    with pytest.raises(ValueError, match="Unknown method 'rope'"):
+        method_rope(ckpt.config.rope, "rope", 2.0, L0)
+
+
+def test_in_window_loss_equals_the_training_modules_loss(ckpt, run_dir, tmp_path):
+    """`none` inside the training length is exactly what LitLlama computes on the same windows."""
+    cfg = eval_cfg(run_dir, tmp_path, f"lengths=[{L0}]", "methods=[none]")
+    eval_extrapolation.run(cfg)
+    documents = [d for d in datamodule_for(cfg, ckpt).documents("test") if len(d) > L0]
+    windows, _ = split_windows(documents, L0, max_windows=3)
+    lit = LitLlama(ckpt.config.to_dict())
+    lit.model.load_state_dict(ckpt.model.state_dict())
+    with torch.inference_mode():
+        reference = float(
+            lit.eval()._loss((windows[:, :-1], windows[:, 1:]))
+        )  # mean over all windows' tokens
+    row = rows_by(tmp_path / "results.csv")["none", L0, "ppl"]
+    assert len(windows) == int(row["n_windows"]) >= 2
+    assert float(row["loss"]) == pytest.approx(reference, abs=1e-5)
+    assert float(rows_by(tmp_path / "results.csv")["none", L0, "tail_ppl"]["loss"]) == pytest.approx(
+        reference, abs=1e-5
+    )
+
+
+def test_linear_with_factor_one_equals_none(run_dir, tmp_path):
+    eval_extrapolation.run(
+        eval_cfg(run_dir, tmp_path, "lengths=[16,96]", "methods=[none,linear]", "factor=1")
+    )
+    rows = rows_by(tmp_path / "results.csv")
+    for length in (16, 96):
+        for metric in ("ppl", "tail_ppl"):
+            a, b = (
+                float(rows["none", length, metric]["value"]),
+                float(rows["linear", length, metric]["value"]),
+            )
+            assert a == pytest.approx(b, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic_ntk", "yarn"])
+def test_kv_cache_scorer_equals_one_forward(ckpt, method):
+    model = ckpt.model
+    model.set_rope(method_rope(ckpt.config.rope, method, 4.0, L0))
+    windows = torch.randint(0, 300, (2, 4 * L0 + 1))
+    chunked = window_losses(model, windows, chunk=L0 - 5)  # several chunks, not aligned with anything
+    with torch.inference_mode():
+        logits = model(windows[:, :-1])  # one forward, one attention matrix
+    full = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(2, -1)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    model.set_rope(ckpt.config.rope)
+
+
+def test_sliding_window_scores_each_token_once_with_bounded_context(ckpt):
+    model, tokens = ckpt.model, torch.randint(0, 300, (101,))
+    plain = sliding_losses(model, tokens, length=20, stride=20, chunk=64)
+    windows = tokens[:-1].view(5, 20)  # stride == length: non-overlapping windows of 20 predictions
+    torch.testing.assert_close(
+        plain, window_losses(model, torch.cat([windows, tokens[20::20, None]], 1), 64).flatten()
+    )
+    slid = sliding_losses(model, tokens, length=20, stride=5, chunk=64)
+    assert slid.shape == (100,)
+    torch.testing.assert_close(slid[:20], plain[:20])  # the first window is scored whole
+    # prediction 57 (of tokens[58]) is scored by the window starting at 40: context tokens[40:58]
+    torch.testing.assert_close(slid[57], score_tokens(model, tokens[40:59], 64)[-1])
+    assert not torch.allclose(slid[20:], plain[20:])  # more context changes the losses
+
+
+def test_bootstrap_interval_contains_the_mean_and_is_seeded():
+    values = torch.tensor([2.0, 2.5, 3.0, 4.0, 2.2, 3.3])
+    mean, low, high = bootstrap_mean(values, seed=1)
+    assert mean == pytest.approx(float(values.double().mean())) and low < mean < high
+    assert bootstrap_mean(values, seed=1) == (mean, low, high)
+    assert bootstrap_mean(values, seed=2) != (mean, low, high)
+    grouped = bootstrap_mean(values, groups=[0, 0, 0, 1, 1, 1], seed=1)
+    assert grouped[0] == pytest.approx(mean) and grouped[1] <= mean <= grouped[2]
+    assert bootstrap_mean(torch.tensor([3.0]), seed=0) == (3.0, 3.0, 3.0)
+
+
+def test_too_short_data_and_unknown_method_fail_with_one_sentence(run_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"No test document has the 1000001 tokens"):
+        eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[1000000]"))
+    with pytest.raises(ValueError, match="Unknown method 'pi'"):
+        eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[16]", "methods=[pi]"))
+
+
+# ----------------------------------------------------------------------------- passkey
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return Tokenizer.from_file(str(ckpt.tokenizer_file()))
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_passkey_prompt_puts_the_key_at_the_depth(tok, depth):
+    p = passkey.build_prompt(tok, 3000, depth, 71432)
+    needle = tok.encode(passkey.NEEDLE.format(key=71432))
+    assert p.tokens[p.needle_start : p.needle_start + len(needle)] == needle
+    assert p.tokens[0] == tok.bos_id and 3000 - len(tok.encode(passkey.FILLER)) < len(p.tokens) <= 3000
+    filler_start = 1 + len(tok.encode(passkey.INTRO))
+    filler_tokens = len(p.tokens) - filler_start - len(needle) - len(tok.encode(passkey.QUESTION))
+    assert (p.needle_start - filler_start) / filler_tokens == pytest.approx(depth, abs=0.05)
+    text = tok.decode(p.tokens, skip_special_tokens=True)
+    intro_end, question_start = len(passkey.INTRO), text.rindex(passkey.QUESTION.strip())
+    char_depth = (text.index("The pass key is 71432") - intro_end) / (
+        question_start - intro_end - len(passkey.NEEDLE)
+    )
+    assert char_depth == pytest.approx(depth, abs=0.05)
+    assert text.endswith("The pass key is")
+
+
+def test_first_integer():
+    assert passkey.first_integer(" 71432.") == 71432
+    assert passkey.first_integer("key is 07143") == 7143
+    assert passkey.first_integer("none") is None
+    assert passkey.first_integer("") is None
+
+
+def test_ranking_shares_one_prefill_and_matches_scoring(ckpt, tok):
+    prompt = passkey.build_prompt(tok, 80, 0.5, 12345).tokens
+    candidates = [tok.encode(f" {k}") for k in (12345, 99999, 4)]
+    ranked = continuation_logprobs(ckpt.model, prompt, candidates)
+    for cand, score in zip(candidates, ranked):
+        reference = -float(score_tokens(ckpt.model, torch.tensor(prompt + cand), 64)[-len(cand) :].sum())
+        assert score == pytest.approx(reference, abs=1e-4)
+
+
+def test_passkey_grid_writes_csv_and_heatmaps(run_dir, tmp_path, capsys):
+    cfg = compose_script(
+        "passkey", run_dir, tmp_path, "lengths=[64,128]", "depths=[0,1]", "trials=2", "methods=[none,yarn]"
+    )
+    table = passkey.run(cfg)
+    assert len(table) == 2 * 2 * 2 and all(r["trials"] == 2 for r in table)
+    with open(tmp_path / "trials.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert len(trials) == 2 * 2 * 2 * 2 and {t["method"] for t in trials} == {"none", "yarn"}
+    assert {t["factor"] for t in trials if t["method"] == "yarn" and t["length"] == "128"} == {"4.0"}
+    assert (tmp_path / "passkey_yarn.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Chance: ranking 10%" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("eval_extrapolation.py", ["out=x"], "No checkpoint given"),
+        ("eval_extrapolation.py", ["ckpt=/nonexistent", "out=x"], "does not exist"),
+        ("passkey.py", ["ckpt=/nonexistent", "out=x", "depths=[1.5]"], "depths must lie in [0, 1]"),
+    ],
+)
+def test_cli_errors_are_one_sentence(script, args, message):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, cwd="/"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_study_smoke_runs_every_step_and_resumes(tmp_path):
+    """~5 minutes on 2 shared cores: four tiny trainings and seven evaluations, each a subprocess."""
+    corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
+    data = [
+        "data=text_files",
+        f"data.source.paths=[{corpus}]",
+        "data.vocab_size=320",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "study.py"),
+        f"out={tmp_path / 'study'}",
+        "smoke=true",
+        "threads=1",
+        "--",
+        *data,
+    ]
+    subprocess.run(command, check=True, cwd=ROOT)
+    summary = (tmp_path / "study" / "summary.md").read_text()
+    assert all(f"| {m} |" in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
+    assert (tmp_path / "study" / "summary.png").is_file()
+    again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
+    assert again.stdout.count("skipped") == 11  # resumable: every step's output exists
