@@ -19,6 +19,7 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data import DataError
@@ -28,6 +29,7 @@ from model.config import ModelConfig
 from model.lightning import LitLlama, NonFiniteLossError
 from model.rope import RopeConfig
 
+CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
 
 
@@ -48,7 +50,12 @@ def wandb_mode(requested: str) -> str:
 def build_logger(cfg: DictConfig, run_dir: Path, full_cfg: DictConfig):
     kind = cfg.kind
     if kind == "csv":
-        return L.pytorch.loggers.CSVLogger(save_dir=run_dir, name="", version="")
+        previous = run_dir / "metrics.csv"
+        if previous.exists():  # a resumed run: keep the earlier log (Lightning would overwrite it)
+            n = 1 + sum(1 for _ in run_dir.glob("metrics.*.csv"))
+            previous.rename(run_dir / f"metrics.{n}.csv")
+        # flush often: a killed run keeps its metrics up to the last few steps
+        return L.pytorch.loggers.CSVLogger(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=10)
     if kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
@@ -83,20 +90,23 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 
 
 def setup_run(cfg: DictConfig):
-    """Everything before fit; every bad setting fails here with one sentence."""
+    """Everything before fit; every bad setting fails here with one sentence, before data is written."""
     L.seed_everything(cfg.seed, workers=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
+    model_kwargs = OmegaConf.to_container(cfg.model, resolve=True)
+    ModelConfig(vocab_size=VOCAB_MULTIPLE, rope=rope, **model_kwargs)  # shape errors before any data work
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    init_state = model_state_from_checkpoint(safe_load(cfg.init_from)) if cfg.init_from else None
+
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
     tokenizer = datamodule.tokenizer
     shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
 
-    rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    model_config = ModelConfig(
-        vocab_size=vocab_size, rope=rope, **OmegaConf.to_container(cfg.model, resolve=True)
-    )
+    model_config = ModelConfig(vocab_size=vocab_size, rope=rope, **model_kwargs)
     module = LitLlama(
         model_config.to_dict(),
         **OmegaConf.to_container(cfg.optim, resolve=True),
@@ -107,10 +117,11 @@ def setup_run(cfg: DictConfig):
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )
-    if cfg.init_from:  # weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
-        state = model_state_from_checkpoint(safe_load(cfg.init_from))
+    if (
+        init_state is not None
+    ):  # weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
         try:
-            module.model.load_state_dict(state, strict=True)
+            module.model.load_state_dict(init_state, strict=True)
         except RuntimeError as e:
             raise CheckpointError(
                 f"init_from {cfg.init_from} does not fit this model shape (same model= and data tokenizer needed): "
@@ -126,7 +137,7 @@ def setup_run(cfg: DictConfig):
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
-    return run_dir, datamodule, module, trainer, resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    return run_dir, datamodule, module, trainer, ckpt_path
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -144,13 +155,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def remove_empty_run_dir(run_dir: Path) -> None:
+    """A run that failed before training leaves nothing behind (Hydra already wrote .hydra/ and a log)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         metrics = train(cfg)
+    except SIGTERMException:  # the scheduler asked us to stop: SaveOnSigterm already wrote last.ckpt
+        print(f"Stopped by SIGTERM; resume with: python train.py run_name={run_dir.name} ckpt_path=last")
+        sys.exit(0)
     except (DataError, CheckpointError, NonFiniteLossError, ValueError) as e:  # one sentence, no traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the developer's switch for the full traceback
             raise
+        remove_empty_run_dir(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     return metrics.get("val/loss")  # Hydra sweepers can minimise this

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from model.checkpoint import atomic_torch_save, safe_load
 
@@ -63,10 +64,32 @@ class TextSample(L.Callback):
                 logger.log_text(key="samples", columns=["step", "text"], data=self.rows, step=step)
 
 
+class SaveLastCheckpoint(L.Callback):
+    """Writes checkpoints/last.ckpt when training ends (whatever the save interval) and on SIGTERM
+    (what schedulers send before preemption: Lightning stops after the current batch, and this
+    saves at that boundary), so `ckpt_path=last` always resumes from the latest state."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.path = Path(ckpt_dir) / "last.ckpt"
+
+    def _save(self, trainer: L.Trainer) -> None:
+        trainer.save_checkpoint(self.path, weights_only=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self._save(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._save(trainer)
+            if trainer.is_global_zero:
+                print(f"\nSIGTERM at step {trainer.global_step}: saved {self.path}", flush=True)
+
+
 def build_callbacks(cfg, run_dir: Path, sample: TextSample | None) -> list[L.Callback]:
     """Checkpoints (last + best by val/loss), LR monitor, progress bar, text samples."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     callbacks: list[L.Callback] = [
+        SaveLastCheckpoint(ckpt_dir),
         LearningRateMonitor(logging_interval="step"),
         TQDMProgressBar(refresh_rate=cfg.progress_bar.refresh_rate),
     ]

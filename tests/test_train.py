@@ -122,6 +122,7 @@ def test_resume_gives_identical_weights(tmp_path, corpus):
     mid = full / "checkpoints" / "step000010.ckpt"
     assert mid.is_file()
     _, resumed = run_train(tmp_path, corpus, *keep_steps, f"ckpt_path={mid}", name="resumed")
+    assert safe_load(resumed / "checkpoints" / "last.ckpt")["global_step"] == 20
     a, b = final_weights(full), final_weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
@@ -210,3 +211,13 @@ def test_ddp_on_two_cpu_processes(tmp_path, corpus):
     assert "world_size: 2" in proc.stderr + proc.stdout or "GLOBAL_RANK: 1" in proc.stderr + proc.stdout
     ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 6
+
+
+def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
+    from train import build_logger
+
+    (tmp_path / "metrics.csv").write_text("step,train/loss\n1,5.0\n")
+    cfg = OmegaConf.create({"kind": "csv"})
+    build_logger(cfg, tmp_path, cfg)
+    assert (tmp_path / "metrics.1.csv").read_text() == "step,train/loss\n1,5.0\n"
+    assert not (tmp_path / "metrics.csv").exists()

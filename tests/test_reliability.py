@@ -1,0 +1,325 @@
+"""Reliability: kills, SIGTERM, non-finite loss, safe loading, one-sentence errors, RoPE properties."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import train as train_cli
+from model.checkpoint import CheckpointError, atomic_torch_save, model_state_from_checkpoint, safe_load
+from model.rope import SCALINGS, RopeConfig, RotaryEmbedding
+from tests.helpers import ROOT, compose_train, small_corpus, tiny_overrides
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def train_cmd(tmp_path: Path, corpus: str, run_dir: Path, *extra: str) -> list[str]:
+    args = tiny_overrides(tmp_path, corpus) + ["sample.max_new_tokens=0", f"hydra.run.dir={run_dir}", *extra]
+    return [sys.executable, "train.py", *args]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "training ended before the file appeared"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- kills and signals
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, corpus):
+    steps = ["trainer.max_steps=30", "callbacks.checkpoint.every_n_train_steps=5"]
+    full = tmp_path / "full"
+    subprocess.run(
+        train_cmd(tmp_path, corpus, full, *steps), cwd=ROOT, env=ENV, check=True, capture_output=True
+    )
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(tmp_path, corpus, killed, *steps), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_for(killed / "checkpoints" / "last.ckpt", proc)
+    time.sleep(random.Random(0).uniform(0.0, 1.5))  # somewhere in a later step or checkpoint save
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step_at_kill = safe_load(killed / "checkpoints" / "last.ckpt")["global_step"]
+    had_metrics = (killed / "metrics.csv").exists()
+    assert step_at_kill < 30
+
+    resumed = subprocess.run(train_cmd(tmp_path, corpus, killed, *steps, "ckpt_path=last"),
+                             cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = weights(full), weights(killed)
+    assert safe_load(killed / "checkpoints" / "last.ckpt")["global_step"] == 30
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if had_metrics:  # the killed run's log is kept beside the resumed run's
+        assert list(killed.glob("metrics.*.csv")), "the killed run's metrics were overwritten"
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
+    run_dir = tmp_path / "term"
+    steps = ["trainer.max_steps=100000", "callbacks.checkpoint.every_n_train_steps=5"]
+    proc = subprocess.Popen(train_cmd(tmp_path, corpus, run_dir, *steps), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(run_dir / "checkpoints" / "last.ckpt", proc)  # training is under way
+    time.sleep(0.7)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Stopped by SIGTERM" in out and "Traceback" not in err
+    step = safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    assert 5 <= step < 100000
+
+    resumed = subprocess.run(train_cmd(tmp_path, corpus, run_dir, f"trainer.max_steps={step + 4}", "ckpt_path=last"),
+                             cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == step + 4
+
+
+WRITER = """
+import sys, torch
+from model.checkpoint import atomic_torch_save
+path, i = sys.argv[1], 0
+while True:
+    i += 1
+    atomic_torch_save({"version": i, "payload": torch.full((4_000_000,), float(i))}, path)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "last.ckpt"
+    rng = random.Random(0)
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=ROOT, env=ENV)
+        wait_for(path, proc, timeout=60)
+        time.sleep(rng.uniform(0.05, 0.6))  # a 16 MB write is usually in flight
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = safe_load(path)  # always a complete file: the old one or the new one, never half
+        assert torch.equal(ckpt["payload"], torch.full((4_000_000,), float(ckpt["version"])))
+
+
+def test_atomic_save_failure_keeps_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "c.ckpt"
+    atomic_torch_save({"v": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_torch_save({"v": 2, "x": Unpicklable()}, path)
+    assert safe_load(path) == {"v": 1} and [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    import lightning as L
+
+    class PoisonAt(L.Callback):  # a NaN weight at step 15, after the step-10 checkpoint
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 15:
+                with torch.no_grad():
+                    module.model.norm.weight.fill_(float("nan"))
+
+    run_dir = tmp_path / "nan"
+    cfg = compose_train(tiny_overrides(tmp_path, corpus) + ["trainer.max_steps=30"], run_dir)
+    _, datamodule, module, trainer, _ = train_cli.setup_run(cfg)
+    trainer.callbacks.append(PoisonAt())
+    with pytest.raises(train_cli.NonFiniteLossError, match="Loss became nan at step 15"):
+        trainer.fit(module, datamodule=datamodule)
+    ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 10
+    assert all(torch.isfinite(t).all() for t in model_state_from_checkpoint(ckpt).values())
+
+
+# ----------------------------------------------------------------------------- safe loading
+
+
+class Exploit:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    marker, path = tmp_path / "pwned", tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "model_config": {}, "payload": Exploit(marker)}, path)
+    return path, marker
+
+
+def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
+    path, marker = crafted_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="Refusing to load .*evil.ckpt"):
+        safe_load(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("option", ["init_from", "ckpt_path"])
+def test_training_refuses_a_crafted_checkpoint(option, tmp_path, corpus):
+    path, marker = crafted_checkpoint(tmp_path)
+    cfg = compose_train(tiny_overrides(tmp_path, corpus) + [f"{option}={path}"], tmp_path / "run")
+    with pytest.raises(CheckpointError, match="Refusing to load"):
+        train_cli.train(cfg)
+    assert not marker.exists()
+
+
+def test_truncated_and_foreign_files_give_one_sentence(tmp_path):
+    good = tmp_path / "good.ckpt"
+    atomic_torch_save({"state_dict": {"w": torch.ones(1000)}}, good)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    foreign = tmp_path / "notes.ckpt"
+    foreign.write_text("these are my notes, not a checkpoint\n")
+    for path in (truncated, foreign):
+        with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint") as info:
+            safe_load(path)
+        assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- one-sentence errors
+
+
+def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """train.main() exactly as the command line runs it (Hydra parsing included), in this process."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        train_cli.main()
+    return info.value.code, capsys.readouterr().err
+
+
+BAD_INPUT = {
+    "unknown group option": (["model=huge"], "Could not find 'model/huge'"),
+    "inconsistent shape": (
+        ["model.n_heads=4", "model.n_kv_heads=3"],
+        "n_heads (4) must be divisible by n_kv_heads (3)",
+    ),
+    "odd head dim": (["model.d_model=36", "model.n_heads=4"], "head dim d_model/n_heads = 9 must be even"),
+    "unknown rope scaling": (
+        ["rope.scaling=warp"],
+        "valid scalings are none, linear, ntk, dynamic_ntk, yarn, llama3",
+    ),
+    "factor < 1": (["rope=linear", "rope.factor=0.5"], "rope factor must be >= 1"),
+    "max_len beyond the data": (["data.max_len=50000"], "max_len"),
+    "missing data files": (["data.source.paths=[/nonexistent/*.txt]"], "/nonexistent/*.txt"),
+    "missing resume checkpoint": (["ckpt_path=last"], "ckpt_path=last but"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_sentence_and_writes_nothing(case, tmp_path, corpus, monkeypatch, capsys):
+    args, sentence = BAD_INPUT[case]
+    run_dir = tmp_path / "run"
+    code, err = cli(
+        tiny_overrides(tmp_path, corpus) + args + [f"hydra.run.dir={run_dir}"], monkeypatch, capsys
+    )
+    assert code != 0 and sentence in err, err
+    assert "Traceback" not in err
+    if case != "unknown group option":  # Hydra lists the available options after its sentence
+        last = err.strip().splitlines()[-1]  # progress bars of data preparation may come before it
+        assert last.startswith("error: ") and sentence in last
+    assert not run_dir.exists()
+
+
+def test_non_utf8_text_is_one_sentence(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 500)
+    overrides = tiny_overrides(tmp_path, str(folder / "*.txt"))
+    code, err = cli(overrides + [f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert code == 2 and "UTF-8" in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- RoPE properties
+
+
+@st.composite
+def rope_cases(draw):
+    head_dim = 2 * draw(st.integers(1, 32))
+    rotary_dim = draw(st.one_of(st.none(), st.integers(1, head_dim // 2).map(lambda r: 2 * r)))
+    scaling = draw(st.sampled_from(SCALINGS))
+    cfg = RopeConfig(
+        base=draw(st.sampled_from([100.0, 10000.0, 500000.0])),
+        scaling=scaling,
+        factor=1.0 if scaling == "none" else draw(st.floats(1.0, 64.0)),
+        original_max_len=draw(st.integers(16, 4096)),
+        layout=draw(st.sampled_from(["half", "interleaved"])),
+        rotary_dim=rotary_dim,
+    )
+    batch, heads, length = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    offset = draw(st.sampled_from([0, 1, 777, 50_000, 1_000_000]))
+    per_row = draw(st.booleans())
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    return cfg, head_dim, (batch, heads, length), offset, per_row, dtype
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rope_cases())
+def test_rope_never_crashes_and_preserves_norm_times_attention_factor(case):
+    cfg, head_dim, (batch, heads, length), offset, per_row, dtype = case
+    if cfg.scaling in ("ntk", "dynamic_ntk") and (cfg.rotary_dim or head_dim) == 2:
+        with pytest.raises(ValueError, match="needs a rotary dimension > 2"):  # d/(d-2) is undefined
+            RotaryEmbedding(head_dim, cfg)
+        return
+    rope = RotaryEmbedding(head_dim, cfg)
+    x = torch.randn(batch, heads, length, head_dim).to(dtype)
+    if per_row:
+        ids = offset + torch.arange(length).repeat(batch, 1) + torch.arange(batch)[:, None] * 3
+    else:
+        ids = offset + torch.arange(length)
+    y = rope(x, ids)
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
+    rot = rope.rotary_dim
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    expected = x[..., :rot].double().norm(dim=-1) * rope.attention_factor
+    torch.testing.assert_close(y[..., :rot].double().norm(dim=-1), expected, rtol=tol, atol=tol)
+    assert torch.equal(y[..., rot:], x[..., rot:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(
+        [
+            (dict(scaling="bogus"), ValueError),
+            (dict(factor=0.99), ValueError),
+            (dict(beta_fast=1.0, beta_slow=1.0), ValueError),
+            (dict(low_freq_factor=2.0, high_freq_factor=2.0), ValueError),
+            (dict(rotary_dim=3), ValueError),
+            (dict(layout="diagonal"), ValueError),
+            (dict(base=1.0), ValueError),
+        ]
+    ),
+    st.integers(-5, -1),
+)
+def test_rope_rejects_invalid_input_with_documented_types(bad, negative):
+    kwargs, error = bad
+    with pytest.raises(error):
+        RopeConfig(**kwargs)
+    rope = RotaryEmbedding(8, RopeConfig())
+    with pytest.raises(ValueError, match="non-negative"):
+        rope(torch.randn(1, 3, 8), torch.tensor([negative, 0, 1]))
+    with pytest.raises(TypeError, match="floating-point"):
+        rope(torch.ones(1, 3, 8, dtype=torch.int32))
