@@ -34,3 +34,11 @@ test-slow: setup ## Run every test, including the multi-minute ones marked `slow
 lint: setup ## Lint with ruff
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# Peers are installed --no-deps: their own pins would downgrade huggingface_hub / datasets (see the file).
+$(VENV)/.bench-installed: requirements-bench.txt $(STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements-bench.txt
+	touch $@
+
+bench: setup $(VENV)/.bench-installed ## Side-by-side speed vs transformers and litgpt (writes bench.json); ARGS="key=value ..."
+	$(PY) scripts/bench.py $(ARGS)

@@ -1,0 +1,571 @@
+"""Side-by-side speed of our Llama against transformers, litgpt and torchtune, in ONE process.
+
+    python scripts/bench.py                                   # full run: both shapes, eager + compile
+    python scripts/bench.py compile=false shapes=[small]      # eager only, default shape only
+    python scripts/bench.py quick=true shapes=[tiny]          # smoke run (seconds; what the test uses)
+    python scripts/bench.py device=cuda threads=16 out=gpu.json
+
+Every peer gets exactly our shape and, where it can load them, our weights (transformers through
+model/hf.py, litgpt through its own HF converter). Calls are interleaved (ours, peer, ours, peer, ...)
+and each number is a median, so a busy machine slows every side alike and the ratios stay meaningful;
+absolute numbers are only worth quoting from a quiet machine. Every ratio is ours / peer of a
+throughput: > 1 means we are faster. A peer that cannot be imported or compiled is reported, not fatal.
+Results go to `out` (JSON) and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/bench.py`
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from model.config import ModelConfig
+from model.generation import GREEDY, generate
+from model.hf import hf_config_dict, to_hf_state_dict
+from model.kv_cache import KVCache
+from model.lightning import measure_matmul_peak
+from model.llama import Llama
+from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = dict(
+    shapes=[
+        "small",
+        "tiny",
+    ],  # configs/model/<shape>.yaml; the first one is the "default shape" of the targets
+    vocab=4096,
+    batch=16,
+    seq_len=256,
+    compile=True,  # also time torch.compile'd training steps (eager is always timed)
+    prompt_len=32,
+    new_tokens=256,
+    contexts=[128, 512, 1024, 2048, 4096],
+    latency_steps=32,  # timed one-token steps per context
+    rope_shape=[8, 8, 1024, 64],  # (B, H, L, D)
+    matmul_n=2048,
+    repeats=5,
+    warmup=2,
+    peers=["transformers", "litgpt", "torchtune"],
+    device="auto",
+    threads=None,
+    quick=False,
+    out="bench.json",
+    seed=0,
+)
+QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers are meaningless)
+    batch=2,
+    seq_len=32,
+    compile=False,
+    prompt_len=8,
+    new_tokens=8,
+    contexts=[16, 64],
+    latency_steps=3,
+    rope_shape=[2, 2, 64, 16],
+    matmul_n=256,
+    repeats=2,
+    warmup=1,
+)
+PEER_MODULES = {"transformers": "transformers", "litgpt": "litgpt", "torchtune": "torchtune.modules"}
+PEER_PACKAGES = {"transformers": "transformers", "litgpt": "litgpt", "torchtune": "torchtune"}
+MODEL_PEERS = ("transformers", "litgpt")  # full-model peers; torchtune only takes part in the RoPE op
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def parse_args(argv: list[str]) -> dict:
+    """key=value arguments (OmegaConf syntax, e.g. shapes=[small,tiny]) over DEFAULTS (and QUICK)."""
+    given = OmegaConf.to_container(OmegaConf.from_dotlist(argv)) if argv else {}
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {unknown}; allowed are {sorted(DEFAULTS)}.")
+    quick = bool(given.get("quick", DEFAULTS["quick"]))
+    return {**DEFAULTS, **(QUICK if quick else {}), **given}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def import_peers(names: list[str]) -> tuple[dict, dict]:
+    """({peer: version} of those that import, {peer: reason} of those that do not)."""
+    available, unavailable = {}, {}
+    for name in names:
+        if name not in PEER_MODULES:
+            raise SystemExit(f"error: unknown peer {name!r}; known peers are {sorted(PEER_MODULES)}.")
+        try:
+            importlib.import_module(PEER_MODULES[name])
+            available[name] = importlib.metadata.version(PEER_PACKAGES[name])
+        except Exception as e:  # any import failure means "unavailable", with the reason
+            unavailable[name] = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            )
+    return available, unavailable
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
+
+
+def machine(device: torch.device) -> dict:
+    return dict(
+        cpu=cpu_model(),
+        cores=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        device=str(device),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        load_average_at_start=os.getloadavg(),  # > cores means the numbers are shared with other work
+    )
+
+
+def model_config(shape: str, vocab: int, max_len: int) -> ModelConfig:
+    """The configs/model/<shape>.yaml group composed by Hydra, as train.py sees it."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={shape}"])
+    kwargs = OmegaConf.to_container(cfg.model, resolve=True)
+    return ModelConfig(vocab_size=vocab, rope=RopeConfig(original_max_len=max_len), **kwargs)
+
+
+def hf_twin(model: Llama):
+    """transformers.LlamaForCausalLM with our shape and weights (the same mapping as the parity tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config_dict(model.config), attn_implementation="sdpa"))
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.state_dict(), model.config), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied head
+    return hf
+
+
+def litgpt_twin(model: Llama, block_size: int):
+    """litgpt GPT with a LLaMA config of our shape, weights loaded through litgpt's own HF converter."""
+    from litgpt import GPT, Config
+    from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
+
+    cfg = model.config
+    config = Config(
+        name="bench-llama",
+        block_size=block_size,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=cfg.vocab_size,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_query_groups=cfg.n_kv_heads,
+        n_embd=cfg.d_model,
+        head_size=cfg.head_dim,
+        intermediate_size=cfg.ffn_hidden,
+        rotary_percentage=1.0,
+        rope_base=int(cfg.rope.base),
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        norm_eps=cfg.norm_eps,
+        mlp_class_name="LLaMAMLP",
+    )
+    gpt = GPT(config)
+    state: dict = {}
+    copy_weights_hf_llama(config, {}, state, to_hf_state_dict(model.state_dict(), cfg))
+    gpt.load_state_dict(state)
+    if cfg.tie_embeddings:
+        gpt.lm_head.weight = gpt.transformer.wte.weight  # litgpt has no tying option for LLaMA
+    return gpt
+
+
+def build_models(cfg: ModelConfig, peers: dict, device: torch.device, block_size: int, seed: int) -> dict:
+    """{side: model}: ours plus each available full-model peer, all with the same weights."""
+    torch.manual_seed(seed)
+    ours = Llama(cfg)
+    models = {"ours": ours}
+    if "transformers" in peers:
+        models["transformers"] = hf_twin(ours)
+    if "litgpt" in peers:
+        models["litgpt"] = litgpt_twin(ours, block_size)
+    return {side: m.to(device) for side, m in models.items()}
+
+
+def logits_fn(side: str, model) -> Callable[[torch.Tensor], torch.Tensor]:
+    if side == "transformers":
+        return lambda idx: model(input_ids=idx, use_cache=False).logits
+    return model  # ours and litgpt return the logits
+
+
+@torch.no_grad()
+def parity(models: dict, vocab: int, device: torch.device) -> dict:
+    """Max |logits - ours| per peer: proves every side computes the same network."""
+    idx = torch.randint(vocab, (2, 16), device=device)
+    ref = models["ours"].eval()(idx)
+    return {
+        side: float((logits_fn(side, m.eval())(idx) - ref).abs().max())
+        for side, m in models.items()
+        if side != "ours"
+    }
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device) -> tuple[dict, dict]:
+    """({side: median seconds per call}, {side: error}). Calls interleave across sides so drifts
+    in machine load hit every side alike; a side that fails in warm-up is dropped with its error."""
+    errors = {}
+    for side, fn in list(fns.items()):
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as e:  # e.g. torch.compile failing for one peer
+            errors[side] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            del fns[side]
+    times: dict[str, list[float]] = {side: [] for side in fns}
+    for _ in range(repeats):
+        for side, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[side].append(time.perf_counter() - t0)
+    return {side: statistics.median(t) for side, t in times.items()}, errors
+
+
+def ratios(values: dict) -> dict:
+    """ours / peer for every peer with a value (values are throughputs: > 1 = ours faster)."""
+    return {side: values["ours"] / v for side, v in values.items() if side != "ours" and "ours" in values}
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on GPU (flash attention through SDPA); plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def peak_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, compiled: bool) -> dict:
+    """Tokens/s of forward + backward + AdamW step, identical loss and optimizer on every side."""
+    B, L = args["batch"], args["seq_len"]
+    models = build_models(cfg, peers, device, L, args["seed"])
+    idx = torch.randint(cfg.vocab_size, (B, L + 1), device=device)
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+
+    def step_fn(side, model):
+        model.train()
+        forward = logits_fn(side, torch.compile(model) if compiled else model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            with autocast(device):
+                loss = F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    seconds, errors = alternate(
+        {side: step_fn(side, m) for side, m in models.items()}, args["repeats"], args["warmup"], device
+    )
+    tokens_per_s = {side: B * L / s for side, s in seconds.items()}
+    flops_per_token = models["ours"].flops_per_token(L)
+    return dict(
+        shape=shape,
+        compile=compiled,
+        batch=B,
+        seq_len=L,
+        parameters=models["ours"].num_parameters(),
+        tokens_per_s=tokens_per_s,
+        ratio=ratios(tokens_per_s),
+        flops_per_token=flops_per_token,
+        achieved_flops=flops_per_token * tokens_per_s.get("ours", float("nan")),
+        errors=errors,
+    )
+
+
+def generation_fns(models: dict, prompt: torch.Tensor) -> dict[str, Callable[[int], object]]:
+    """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache."""
+    fns = {"ours": lambda n: generate(models["ours"], [prompt.tolist()], n, GREEDY)}
+    if "transformers" in models:
+        hf = models["transformers"]
+        fns["transformers"] = lambda n: hf.generate(
+            prompt[None], do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0
+        )
+    if "litgpt" in models:
+        from litgpt.generate.base import generate as litgpt_generate
+
+        gpt = models["litgpt"]
+        gpt.set_kv_cache(batch_size=1, device=prompt.device)
+        fns["litgpt"] = lambda n: litgpt_generate(gpt, prompt, prompt.numel() + n, temperature=0.0)
+    return fns
+
+
+def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
+    """Prefill and decode tokens/s. Each side's prefill is timed as a 1-token generation, and decode
+    as the extra time of an N-token one, so the same method applies to every generate()."""
+    P, N = args["prompt_len"], args["new_tokens"]
+    models = build_models(cfg, peers, device, P + N, args["seed"])
+    models = {side: m.eval().to(peak_dtype(device)) for side, m in models.items()}
+    prompt = torch.randint(cfg.vocab_size, (P,), device=device)
+    fns = generation_fns(models, prompt)
+
+    def timed(n):
+        return {side: torch.inference_mode()(lambda f=f: f(n)) for side, f in fns.items()}
+
+    first, errors = alternate(timed(1), args["repeats"], args["warmup"], device)
+    full, errors_full = alternate(timed(N), args["repeats"], args["warmup"], device)
+    both = first.keys() & full.keys()
+    prefill = {side: P / first[side] for side in both}
+    decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
+    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=peak_dtype(device))
+    return dict(
+        prompt_len=P,
+        new_tokens=N,
+        prefill_tokens_per_s=prefill,
+        decode_tokens_per_s=decode,
+        ratio_prefill=ratios(prefill),
+        ratio_decode=ratios(decode),
+        kv_cache_bytes=cache.nbytes,  # ours: the preallocated cache of this generation
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * 1024,  # process peak so far (Linux: KiB)
+        peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        errors={**errors, **errors_full},
+    )
+
+
+@torch.inference_mode()
+def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
+    """Seconds per one-token step after a prefill to each context length (ours). Contexts take
+    turns step by step so load drifts hit all of them alike."""
+    contexts, steps = args["contexts"], args["latency_steps"]
+    torch.manual_seed(args["seed"])
+    model = Llama(cfg).to(device).eval().to(peak_dtype(device))
+    caches, tokens = {}, {}
+    for ctx in contexts:
+        caches[ctx] = KVCache.for_model(cfg, 1, ctx + steps + 1, device=device, dtype=peak_dtype(device))
+        logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
+        tokens[ctx] = logits[:, -1:].argmax(-1)
+    for ctx in contexts:  # one untimed step each: first-call allocations
+        tokens[ctx] = model(tokens[ctx], kv_cache=caches[ctx])[:, -1:].argmax(-1)
+    times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+    for _ in range(steps):
+        for ctx in contexts:
+            sync(device)
+            t0 = time.perf_counter()
+            tokens[ctx] = model(tokens[ctx], kv_cache=caches[ctx])[:, -1:].argmax(-1)
+            sync(device)
+            times[ctx].append(time.perf_counter() - t0)
+    seconds = {str(ctx): statistics.median(t) for ctx, t in times.items()}
+    return dict(
+        seconds_per_token=seconds,
+        kv_cache_bytes={str(ctx): c.nbytes for ctx, c in caches.items()},
+        longest_over_shortest=seconds[str(max(contexts))] / seconds[str(min(contexts))],
+    )
+
+
+def rope_fns(B: int, H: int, L: int, D: int, peers: dict, device) -> dict[str, Callable[[], None]]:
+    """{side: fn}: forward + backward of RoPE on q and k of shape (B, H, L, D) (torchtune: (B, L, H, D))."""
+    dtype = peak_dtype(device)
+    q, k = (torch.randn(B, H, L, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    cos, sin = RotaryEmbedding(D).to(device).cos_sin(None, dtype, seq_len=L)
+
+    def ours():
+        q.grad = k.grad = None
+        torch.autograd.backward((apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)), (gq, gk))
+
+    fns = {"ours": ours}
+    if "transformers" in peers:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        def hf():
+            q.grad = k.grad = None
+            torch.autograd.backward(apply_rotary_pos_emb(q, k, cos[None], sin[None]), (gq, gk))
+
+        fns["transformers"] = hf
+    if "torchtune" in peers:
+        from torchtune.modules import RotaryPositionalEmbeddings
+
+        tt = RotaryPositionalEmbeddings(D, max_seq_len=L).to(device)
+        qt, kt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k))  # its layout
+        gqt, gkt = gq.transpose(1, 2).contiguous(), gk.transpose(1, 2).contiguous()
+
+        def torchtune():
+            qt.grad = kt.grad = None
+            torch.autograd.backward((tt(qt), tt(kt)), (gqt, gkt))
+
+        fns["torchtune"] = torchtune
+    return fns
+
+
+def bench_rope(args: dict, peers: dict, device) -> dict:
+    B, H, L, D = args["rope_shape"]
+    seconds, errors = alternate(rope_fns(B, H, L, D, peers, device), args["repeats"], args["warmup"], device)
+    calls_per_s = {side: 1 / s for side, s in seconds.items()}
+    return dict(shape_BHLD=[B, H, L, D], calls_per_s=calls_per_s, ratio=ratios(calls_per_s), errors=errors)
+
+
+def matmul_peak(args: dict, device) -> float:
+    """Best achieved FLOP/s of a large square matmul (the MFU denominator), best of 3 measurements."""
+    return max(measure_matmul_peak(device, peak_dtype(device), n=args["matmul_n"]) for _ in range(3))
+
+
+# ----------------------------------------------------------------------------- report
+
+TARGETS = [  # (name, description, getter(results) -> value or None, comparison, threshold)
+    ("train_eager_vs_transformers", "training tokens/s, default shape, eager, vs transformers", ">=", 1.25),
+    (
+        "train_compile_vs_transformers",
+        "training tokens/s, default shape, compiled, vs transformers",
+        ">=",
+        1.5,
+    ),
+    ("decode_vs_transformers", "decode tokens/s vs transformers generate", ">=", 4.0),
+    ("decode_vs_litgpt", "decode tokens/s vs litgpt generate", ">=", 2.0),
+    ("latency_longest_over_shortest", "decode latency at the longest context / the shortest", "<=", 2.0),
+    ("rope_vs_transformers", "RoPE op (fwd + bwd, q and k) vs transformers apply_rotary_pos_emb", ">=", 1.5),
+    ("train_mfu", "training MFU, default shape, eager, vs the measured matmul peak", ">=", 0.70),
+]
+
+
+def target_values(results: dict) -> dict:
+    default = results["shapes"][0]
+    train = {(t["shape"], t["compile"]): t for t in results["train"]}
+    eager, compiled = train.get((default, False), {}), train.get((default, True), {})
+    return {
+        "train_eager_vs_transformers": eager.get("ratio", {}).get("transformers"),
+        "train_compile_vs_transformers": compiled.get("ratio", {}).get("transformers"),
+        "decode_vs_transformers": results["generate"]["ratio_decode"].get("transformers"),
+        "decode_vs_litgpt": results["generate"]["ratio_decode"].get("litgpt"),
+        "latency_longest_over_shortest": results["decode_latency"]["longest_over_shortest"],
+        "rope_vs_transformers": results["rope"]["ratio"].get("transformers"),
+        "train_mfu": eager.get("mfu"),
+    }
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    values = target_values(results)
+    rows = []
+    for name, what, op, threshold in TARGETS:
+        value = values[name]
+        met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+        rows.append(dict(name=name, what=what, value=value, target=f"{op} {threshold}", met=met))
+    return rows
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:,.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["| measurement | side | ours | peer | ours / peer |", "|---|---|---|---|---|"]
+
+    def rows(label, values, ratio):
+        for side, r in ratio.items():
+            lines.append(f"| {label} | {side} | {fmt(values['ours'])} | {fmt(values[side])} | {r:.2f}x |")
+        if not ratio and "ours" in values:
+            lines.append(f"| {label} | - | {fmt(values['ours'])} | - | - |")
+
+    for t in results["train"]:
+        mode = "compiled" if t["compile"] else "eager"
+        rows(f"train tok/s {t['shape']} {t['batch']}x{t['seq_len']} {mode}", t["tokens_per_s"], t["ratio"])
+    g = results["generate"]
+    rows(f"prefill tok/s (prompt {g['prompt_len']})", g["prefill_tokens_per_s"], g["ratio_prefill"])
+    rows(f"decode tok/s ({g['new_tokens']} new)", g["decode_tokens_per_s"], g["ratio_decode"])
+    r = results["rope"]
+    rows(f"RoPE fwd+bwd calls/s {tuple(r['shape_BHLD'])}", r["calls_per_s"], r["ratio"])
+    lat = results["decode_latency"]["seconds_per_token"]
+    lines += ["", "| context | ours ms / token |", "|---|---|"]
+    lines += [f"| {ctx} | {1000 * s:.2f} |" for ctx, s in lat.items()]
+    lines += ["", "| target | value | wanted | met |", "|---|---|---|---|"]
+    for t in results["targets"]:
+        met = "not measured" if t["met"] is None else "yes" if t["met"] else "no"
+        lines.append(f"| {t['what']} | {fmt(t['value'])} | {t['target']} | {met} |")
+    errors = {**results["peers_unavailable"]}
+    for section in (*results["train"], results["generate"], results["rope"]):
+        errors |= {
+            f"{side} ({section.get('shape', '')}{' compiled' if section.get('compile') else ''})": e
+            for side, e in section["errors"].items()
+        }
+    lines += [f"\nunavailable / failed: {name}: {why}" for name, why in errors.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_args(argv)
+    if args["threads"]:
+        torch.set_num_threads(int(args["threads"]))
+    device = pick_device(args["device"])
+    peers, unavailable = import_peers(list(args["peers"]))
+    model_peers = {p: v for p, v in peers.items() if p in MODEL_PEERS}
+    if "transformers" in peers:
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # generate() warns about unused generation flags
+    results: dict = dict(
+        machine=machine(device),
+        args=args,
+        shapes=list(args["shapes"]),
+        peers=peers,
+        peers_unavailable=unavailable,
+        note="Ratios are ours / peer of medians of interleaved runs; absolute numbers need a quiet machine.",
+    )
+    default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
+    results["parity_max_abs_logit_diff"] = parity(
+        build_models(default_cfg, model_peers, device, 64, 0), args["vocab"], device
+    )
+    results["matmul_peak_flops"] = matmul_peak(
+        args, device
+    )  # before and after the training runs: keep the best
+    results["generate"] = bench_generate(default_cfg, args, model_peers, device)
+    results["decode_latency"] = bench_decode_latency(default_cfg, args, device)
+    results["rope"] = bench_rope(args, peers, device)
+    results["train"] = []
+    for shape in args["shapes"]:
+        cfg = model_config(shape, args["vocab"], args["seq_len"])
+        for compiled in (False, True) if args["compile"] else (False,):
+            results["train"].append(bench_train(cfg, shape, args, model_peers, device, compiled))
+    results["matmul_peak_flops"] = max(results["matmul_peak_flops"], matmul_peak(args, device))
+    for t in results["train"]:
+        t["mfu"] = t["achieved_flops"] / results["matmul_peak_flops"]
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    results["targets"] = evaluate_targets(results)
+    Path(args["out"]).write_text(json.dumps(results, indent=2))
+    print(markdown(results))
+    print(f"\nwrote {args['out']}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

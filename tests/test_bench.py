@@ -1,0 +1,70 @@
+"""scripts/bench.py end to end in quick mode: every section present, ratios are ours / peer.
+
+No speed is asserted here (the machine may be busy); speed targets are reported by the script itself.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_quick_bench_writes_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/bench.py", "quick=true", "shapes=[tiny]", f"out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| target |" in run.stdout  # the markdown report
+    r = json.loads(out.read_text())
+
+    assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
+    assert set(r["peers"]).isdisjoint(r["peers_unavailable"])
+    assert all(why for why in r["peers_unavailable"].values())  # an unavailable peer says why
+    assert all(diff < 1e-4 for diff in r["parity_max_abs_logit_diff"].values())  # same weights on every side
+    assert r["matmul_peak_flops"] > 0
+
+    train = r["train"][0]
+    assert train["shape"] == "tiny" and not train["compile"]
+    assert train["tokens_per_s"]["ours"] > 0 and 0 < train["mfu"] and train["flops_per_token"] > 0
+    for peer, ratio in train["ratio"].items():  # recompute: ours / peer of the raw throughputs
+        assert math.isclose(ratio, train["tokens_per_s"]["ours"] / train["tokens_per_s"][peer])
+
+    gen = r["generate"]
+    assert gen["kv_cache_bytes"] > 0 and gen["peak_rss_bytes"] > 0
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert all(v > 0 for v in gen[key].values()) and "ours" in gen[key]
+    for peer, ratio in gen["ratio_decode"].items():
+        assert math.isclose(ratio, gen["decode_tokens_per_s"]["ours"] / gen["decode_tokens_per_s"][peer])
+
+    latency = r["decode_latency"]
+    assert list(latency["seconds_per_token"]) == ["16", "64"]
+    assert all(s > 0 for s in latency["seconds_per_token"].values())
+    assert latency["kv_cache_bytes"]["64"] > latency["kv_cache_bytes"]["16"]
+
+    rope = r["rope"]
+    assert rope["calls_per_s"]["ours"] > 0
+    for peer, ratio in rope["ratio"].items():
+        assert math.isclose(ratio, rope["calls_per_s"]["ours"] / rope["calls_per_s"][peer])
+    expected_peers = {"transformers", "litgpt"} & set(r["peers"])
+    assert expected_peers <= set(train["ratio"]) and expected_peers <= set(gen["ratio_decode"])
+
+    assert {t["name"] for t in r["targets"]} >= {"train_eager_vs_transformers", "rope_vs_transformers"}
+    assert all(t["met"] in (True, False, None) for t in r["targets"])
+
+
+def test_unknown_argument_is_one_sentence():
+    run = subprocess.run(
+        [sys.executable, "scripts/bench.py", "shape=tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "unknown arguments ['shape']" in run.stderr
