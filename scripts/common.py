@@ -25,17 +25,24 @@ CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (te
 
 
 def one_sentence_errors(main):
-    """User errors (ValueError, bad config) print `error: <sentence>` and exit 2, as generate.py does."""
+    """User errors (ValueError, OSError, bad config) print `error: <sentence>` and exit 2, as generate.py does."""
 
     @functools.wraps(main)
     def wrapper(cfg: DictConfig):
         try:
             return main(cfg)
-        except (ValueError, OmegaConfBaseException) as e:
+        except (ValueError, OSError, OmegaConfBaseException) as e:
             print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
             sys.exit(2)
 
     return wrapper
+
+
+def require(cfg: DictConfig, keys: tuple[str, ...], usage: str) -> None:
+    """One sentence naming the first missing `???` option and how to pass it."""
+    for key in keys:
+        if OmegaConf.is_missing(cfg, key):
+            raise ValueError(f"No {key} given; pass {usage}.")
 
 
 def check_common(cfg: DictConfig) -> None:

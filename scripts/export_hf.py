@@ -19,8 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/export_hf.py`
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from safetensors.torch import save_file
 from tokenizers import processors
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
@@ -29,8 +28,7 @@ from data.tokenizer import BOS, EOS, Tokenizer
 from model.checkpoint import load_checkpoint
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.rope import ntk_base
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from scripts.common import CONFIGS, one_sentence_errors, require
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -106,16 +104,11 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="export_hf")
+@one_sentence_errors
 def main(cfg: DictConfig) -> None:
-    try:
-        for key in ("ckpt", "out"):
-            if OmegaConf.is_missing(cfg, key):
-                raise ValueError(f"No {key} given; pass ckpt=<.ckpt file or run directory> out=<directory>.")
-        path = export(cfg.ckpt, cfg.out, overwrite=bool(cfg.overwrite))
-        print(f"Exported {cfg.ckpt} to {path}")
-    except (ValueError, OSError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    require(cfg, ("ckpt", "out"), "ckpt=<.ckpt file or run directory> out=<directory>")
+    path = export(cfg.ckpt, cfg.out, overwrite=bool(cfg.overwrite))
+    print(f"Exported {cfg.ckpt} to {path}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/import_hf.py`
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -30,8 +29,7 @@ from data.tokenizer import Tokenizer
 from model.checkpoint import atomic_torch_save, file_sha256
 from model.hf import from_hf_state_dict, model_config_from_hf
 from model.llama import Llama
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from scripts.common import CONFIGS, one_sentence_errors, require
 
 
 def read_safetensors(hf_dir: Path) -> dict:
@@ -93,18 +91,11 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="import_hf")
+@one_sentence_errors
 def main(cfg: DictConfig) -> None:
-    try:
-        for key in ("hf_dir", "out"):
-            if OmegaConf.is_missing(cfg, key):
-                raise ValueError(
-                    f"No {key} given; pass hf_dir=<LlamaForCausalLM directory> out=<.ckpt path>."
-                )
-        path = import_hf(cfg.hf_dir, cfg.out, overwrite=bool(cfg.overwrite))
-        print(f"Imported {cfg.hf_dir} to {path}")
-    except (ValueError, OSError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    require(cfg, ("hf_dir", "out"), "hf_dir=<LlamaForCausalLM directory> out=<.ckpt path>")
+    path = import_hf(cfg.hf_dir, cfg.out, overwrite=bool(cfg.overwrite))
+    print(f"Imported {cfg.hf_dir} to {path}")
 
 
 if __name__ == "__main__":
