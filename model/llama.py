@@ -161,7 +161,10 @@ class Llama(nn.Module):
         device_type = idx.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype  # the dtype q and k will have
-        cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=rope_len)
+        if kv_cache is None and rope_len == L:  # default training positions 0..L-1: a slice of the table,
+            cos, sin = self.rope.cos_sin(None, dtype, seq_len=L, device=idx.device)  # no gather, no host sync
+        else:  # (the sync in the gather path is a torch.compile graph break)
+            cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=rope_len)
         mask = self._attention_mask(L, kv_cache, idx.device)
         for block in self.blocks:
             x = block(x, cos, sin, kv_cache, mask)
