@@ -177,6 +177,8 @@ def rope_frequencies(
     """
     dim = rotary_dim_of(cfg, head_dim)
     scaling = RopeScaling(cfg.scaling)
+    if scaling in (RopeScaling.NTK, RopeScaling.DYNAMIC_NTK) and dim <= 2:  # exponent d/(d-2) is undefined
+        raise ValueError(f"rope scaling {cfg.scaling!r} needs a rotary dimension > 2, got {dim}.")
     attention_factor = 1.0
     if scaling is RopeScaling.NONE:
         inv_freq = default_inv_freq(cfg.base, dim)
@@ -369,7 +371,9 @@ class RotaryEmbedding(nn.Module):
         position_ids: None (then 0..seq_len-1), (L,) or (B, L) integer tensor.
         seq_len: exclusive upper bound on the positions and, for dynamic NTK, the total length
             the frequencies are scaled for (fixed for one generation so cached keys stay
-            consistent). If omitted it is max(position_ids)+1, which costs one host sync.
+            consistent). When given, the caller promises 0 <= position_ids < seq_len and no check
+            runs (the decode loop stays free of host syncs); when omitted it is max(position_ids)+1
+            and the ids are validated, which costs a host sync.
         Returns (cos, sin), each (L, R) or (B, L, R), R = rotary_dim.
         """
         if position_ids is None:
@@ -378,13 +382,10 @@ class RotaryEmbedding(nn.Module):
             device = device or self.inv_freq.device
             self._ensure(seq_len, seq_len, device)
             return self._cos[:seq_len].to(dtype), self._sin[:seq_len].to(dtype)
-        if position_ids.numel() and int(position_ids.min()) < 0:
-            raise ValueError(f"position_ids must be non-negative, got minimum {int(position_ids.min())}.")
-        max_needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
         if seq_len is None:
-            seq_len = max_needed
-        elif max_needed > seq_len:
-            raise ValueError(f"position id {max_needed - 1} is beyond the declared seq_len {seq_len}.")
+            if position_ids.numel() and int(position_ids.min()) < 0:
+                raise ValueError(f"position_ids must be non-negative, got minimum {int(position_ids.min())}.")
+            seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 0
         self._ensure(max(seq_len, 1), seq_len, position_ids.device)
         return self._cos[position_ids].to(dtype), self._sin[position_ids].to(dtype)
 
