@@ -42,3 +42,9 @@ $(VENV)/.bench-installed: requirements-bench.txt $(STAMP)
 
 bench: setup $(VENV)/.bench-installed ## Side-by-side speed vs transformers and litgpt (writes bench.json); ARGS="key=value ..."
 	$(PY) scripts/bench.py $(ARGS)
+
+eval: setup ## Perplexity vs length for every RoPE method; default ARGS="ckpt=runs/default out=runs/eval/default"
+	$(PY) scripts/eval_extrapolation.py $(or $(ARGS),ckpt=runs/default out=runs/eval/default)
+
+study: setup ## The whole extrapolation study (about 90 CPU minutes, resumable) into runs/study; ARGS="base_ckpt=..."
+	$(PY) scripts/study.py out=runs/study $(ARGS)
