@@ -74,6 +74,13 @@ def build_logger(cfg: DictConfig, run_dir: Path, full_cfg: DictConfig):
     raise ValueError(f"Unknown logger kind {kind!r}; choose logger=csv, logger=wandb or logger=none.")
 
 
+def finish_wandb(trainer) -> None:
+    """Close this run's wandb run, so the next job of a Hydra sweep (same process) starts its own."""
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            logger.experiment.finish()
+
+
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path in (None, ""):
         return None
@@ -144,7 +151,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Set up and fit; returns the final callback metrics (val/loss, val/ppl, val/bpc, ...)."""
     run_dir, datamodule, module, trainer, ckpt_path = setup_run(cfg)
     print(f"Run directory: {run_dir}  ({module.model.num_parameters() / 1e6:.2f}M parameters)")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    finally:
+        finish_wandb(trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(f"Checkpoints: {run_dir / 'checkpoints'} (last.ckpt, best.ckpt)")

@@ -17,7 +17,7 @@ from model.checkpoint import model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
-from train import build_logger, train
+from train import build_logger, finish_wandb, train
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,7 @@ def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatc
         else:
             trainer = instantiate(cfg.trainer, logger=build_logger(cfg.logger, tmp_path, cfg))
             assert trainer.max_steps == cfg.trainer.max_steps
+            finish_wandb(trainer)  # a wandb run left open would be reused by later tests
 
 
 def test_rope_original_len_follows_data_max_len(tmp_path):
