@@ -53,3 +53,21 @@ def compose_train(overrides: list[str], run_dir: Path, config_name: str = "train
     run_dir.mkdir(parents=True, exist_ok=True)
     HydraConfig.instance().set_config(cfg)
     return cfg
+
+
+def train_cli(*args: str, timeout: float | None = None):
+    """`python train.py <args>` as a user runs it, from the repo root; output captured as text."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "train.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def last_weights(run_dir: Path) -> dict:
+    """The network weights in run_dir/checkpoints/last.ckpt (safe load)."""
+    from model.checkpoint import model_state_from_checkpoint, safe_load
+
+    return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))

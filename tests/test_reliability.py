@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import train as train_cli
+import train as train_py
 from model.checkpoint import CheckpointError, atomic_torch_save, model_state_from_checkpoint, safe_load
 from model.rope import SCALINGS, RopeConfig, RotaryEmbedding
-from tests.helpers import ROOT, compose_train, small_corpus, tiny_overrides
+from tests.helpers import ROOT, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -28,13 +28,13 @@ def corpus(tmp_path_factory) -> str:
     return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def train_cmd(tmp_path: Path, corpus: str, run_dir: Path, *extra: str) -> list[str]:
-    args = tiny_overrides(tmp_path, corpus) + ["sample.max_new_tokens=0", f"hydra.run.dir={run_dir}", *extra]
-    return [sys.executable, "train.py", *args]
+def train_args(tmp_path: Path, corpus: str, run_dir: Path, *extra: str) -> list[str]:
+    return tiny_overrides(tmp_path, corpus) + ["sample.max_new_tokens=0", f"hydra.run.dir={run_dir}", *extra]
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))
+def start_training(args: list[str], **popen) -> subprocess.Popen:
+    """train.py in the background, so the test can signal it."""
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, **popen)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -52,13 +52,12 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, corpus):
     steps = ["trainer.max_steps=200", "callbacks.checkpoint.every_n_train_steps=5"]  # saves are frequent
     full = tmp_path / "full"
-    subprocess.run(
-        train_cmd(tmp_path, corpus, full, *steps), cwd=ROOT, env=ENV, check=True, capture_output=True
-    )
+    assert train_cli(*train_args(tmp_path, corpus, full, *steps)).returncode == 0
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(tmp_path, corpus, killed, *steps), cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = start_training(
+        train_args(tmp_path, corpus, killed, *steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_for(killed / "checkpoints" / "last.ckpt", proc)
     time.sleep(random.Random(0).uniform(0.0, 1.5))  # somewhere in a later step or checkpoint save
     proc.send_signal(signal.SIGKILL)
@@ -67,10 +66,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, corpus):
     had_metrics = (killed / "metrics.csv").exists()
     assert step_at_kill < 200, "the run finished before the kill: nothing was tested"
 
-    resumed = subprocess.run(train_cmd(tmp_path, corpus, killed, *steps, "ckpt_path=last"),
-                             cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    resumed = train_cli(*train_args(tmp_path, corpus, killed, *steps, "ckpt_path=last"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a, b = weights(full), weights(killed)
+    a, b = last_weights(full), last_weights(killed)
     assert safe_load(killed / "checkpoints" / "last.ckpt")["global_step"] == 200
     assert all(torch.equal(a[k], b[k]) for k in a)
     if had_metrics:  # the killed run's log is kept beside the resumed run's
@@ -81,8 +79,12 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, corpus):
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     run_dir = tmp_path / "term"
     steps = ["trainer.max_steps=100000", "callbacks.checkpoint.every_n_train_steps=5"]
-    proc = subprocess.Popen(train_cmd(tmp_path, corpus, run_dir, *steps), cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_training(
+        train_args(tmp_path, corpus, run_dir, *steps),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(run_dir / "checkpoints" / "last.ckpt", proc)  # training is under way
     time.sleep(0.7)
     proc.send_signal(signal.SIGTERM)
@@ -92,8 +94,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     step = safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
     assert 5 <= step < 100000
 
-    resumed = subprocess.run(train_cmd(tmp_path, corpus, run_dir, f"trainer.max_steps={step + 4}", "ckpt_path=last"),
-                             cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    resumed = train_cli(
+        *train_args(tmp_path, corpus, run_dir, f"trainer.max_steps={step + 4}", "ckpt_path=last")
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == step + 4
 
@@ -145,9 +148,9 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
 
     run_dir = tmp_path / "nan"
     cfg = compose_train(tiny_overrides(tmp_path, corpus) + ["trainer.max_steps=30"], run_dir)
-    _, datamodule, module, trainer, _ = train_cli.setup_run(cfg)
+    _, datamodule, module, trainer, _ = train_py.setup_run(cfg)
     trainer.callbacks.append(PoisonAt())
-    with pytest.raises(train_cli.NonFiniteLossError, match="Loss became nan at step 15"):
+    with pytest.raises(train_py.NonFiniteLossError, match="Loss became nan at step 15"):
         trainer.fit(module, datamodule=datamodule)
     ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 10
@@ -183,7 +186,7 @@ def test_training_refuses_a_crafted_checkpoint(option, tmp_path, corpus):
     path, marker = crafted_checkpoint(tmp_path)
     cfg = compose_train(tiny_overrides(tmp_path, corpus) + [f"{option}={path}"], tmp_path / "run")
     with pytest.raises(CheckpointError, match="Refusing to load"):
-        train_cli.train(cfg)
+        train_py.train(cfg)
     assert not marker.exists()
 
 
@@ -207,7 +210,7 @@ def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     """train.main() exactly as the command line runs it (Hydra parsing included), in this process."""
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
     with pytest.raises(SystemExit) as info:
-        train_cli.main()
+        train_py.main()
     return info.value.code, capsys.readouterr().err
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from omegaconf import OmegaConf
 from model.checkpoint import model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
 from model.rope import RopeConfig
-from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
+from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 from train import build_logger, finish_wandb, train
 
 
@@ -34,10 +31,6 @@ def run_train(tmp_path: Path, corpus: str, *extra: str, name: str = "run") -> tu
 def losses(run_dir: Path) -> list[float]:
     with open(run_dir / "metrics.csv") as f:
         return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))
 
 
 def options(group: str) -> list[str]:
@@ -80,20 +73,13 @@ def test_extend_context_experiment_keeps_original_length(tmp_path):
 
 
 def test_invalid_combination_fails_with_one_sentence(tmp_path, corpus):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     base = tiny_overrides(tmp_path, corpus)
     for bad, message in [
         (["rope=ntk", "rope.factor=0.5"], "rope factor must be >= 1"),
         (["model.n_heads=3"], "must be divisible by n_heads (3)"),
         (["data.max_len=100000"], "max_len"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, "train.py", *base, *bad, f"hydra.run.dir={tmp_path / 'bad'}"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        proc = train_cli(*base, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
 
@@ -124,17 +110,17 @@ def test_resume_gives_identical_weights(tmp_path, corpus):
     assert mid.is_file()
     _, resumed = run_train(tmp_path, corpus, *keep_steps, f"ckpt_path={mid}", name="resumed")
     assert safe_load(resumed / "checkpoints" / "last.ckpt")["global_step"] == 20
-    a, b = final_weights(full), final_weights(resumed)
+    a, b = last_weights(full), last_weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     _, fresh = run_train(tmp_path, corpus, "seed=7", name="other_seed")
-    assert not torch.equal(final_weights(fresh)["embed.weight"], a["embed.weight"])  # the check can fail
+    assert not torch.equal(last_weights(fresh)["embed.weight"], a["embed.weight"])  # the check can fail
 
 
 def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corpus):
     _, base = run_train(tmp_path, corpus, "trainer.max_steps=10", name="base")
-    base_weights = final_weights(base)
+    base_weights = last_weights(base)
     _, ext = run_train(
         tmp_path,
         corpus,
@@ -163,23 +149,15 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, corpus, monkeypatch):
 
 def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            "rope=none,linear",
-            "rope.factor=2",
-            *tiny_overrides(tmp_path, corpus),
-            "trainer.max_steps=4",
-            "trainer.val_check_interval=2",
-            "sample.max_new_tokens=0",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
+    proc = train_cli(
+        "-m",
+        "rope=none,linear",
+        "rope.factor=2",
+        *tiny_overrides(tmp_path, corpus),
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "sample.max_new_tokens=0",
+        f"hydra.sweep.dir={sweep}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "checkpoints" / "last.ckpt").exists())
@@ -190,22 +168,14 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
 
 def test_ddp_on_two_cpu_processes(tmp_path, corpus):
     run_dir = tmp_path / "ddp"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "trainer=ddp",
-            "trainer.accelerator=cpu",
-            "trainer.devices=2",
-            *tiny_overrides(tmp_path, corpus),
-            "trainer.max_steps=6",
-            "trainer.val_check_interval=3",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
+    proc = train_cli(
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        *tiny_overrides(tmp_path, corpus),
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        f"hydra.run.dir={run_dir}",
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
