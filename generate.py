@@ -136,6 +136,7 @@ def run_sample(
         eos_id=tok.eos_id,
         seed=cfg.seed,
         on_token=on_token,
+        compile=cfg.compile,
     )
     for row, (text, stream) in enumerate(zip(texts, streams)):
         rest = stream.finish()

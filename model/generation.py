@@ -159,6 +159,7 @@ def generate(
     eos_id: int | None = None,
     seed: int = 0,
     on_token: Callable[[int, int], bool] | None = None,
+    compile: bool = False,
 ) -> Generation:
     """Prefill every prompt in one forward, then decode one token per step into a preallocated cache.
 
@@ -169,6 +170,8 @@ def generate(
     seed: seeds the torch.Generator used for sampling (same seed, same output).
     on_token(row, token): called on the host for each new token of an unfinished row; return True
         to stop that row (e.g. a stop string was completed). The row keeps the token.
+    compile: decode through `torch.compile(model.decode_step)`: fixed shapes over the whole cache,
+        built once per cache shape (tens of seconds on a CPU), then about 2x faster per token.
     Generation ends when every row stopped or after max_new_tokens steps.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -194,10 +197,12 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
 
+    decode = DecodeStep(model, cache, position_ids, compile)
+
     t0 = time.perf_counter()
-    logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)
+    logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1]
     for step in range(max_new_tokens):
-        next_token = sample(logits[:, -1], sampling, generator)  # (B,)
+        next_token = sample(logits, sampling, generator)  # (B,)
         for row, token in enumerate(next_token.tolist()):  # the one host sync per step
             if not active[row]:
                 continue
@@ -211,9 +216,48 @@ def generate(
             t1 = time.perf_counter()
         if not any(active) or step == max_new_tokens - 1:
             break
-        logits = model(next_token[:, None], position_ids=position_ids[:, n + step, None], kv_cache=cache)
+        logits = decode(next_token[:, None])
     t2 = time.perf_counter()
     return Generation(tokens, sum(map(len, prompts)), t1 - t0, step, t2 - t1)
+
+
+# torch.compile options of the decode step. cpp_wrapper: the graph's kernel calls run from C++, not
+# Python (~15% per token on a CPU). The guard filter skips re-checking torch.nn's own modules
+# (Linear, RMSNorm, Embedding) on every call (~40 us per token); their weights are graph inputs, so
+# new values are still used, and our own modules (the attention's RoPE layout) stay guarded.
+COMPILE_OPTIONS = {
+    "cpp_wrapper": True,
+    "guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
+}
+
+
+class DecodeStep:
+    """The one-token forward of the decode loop: token ids (B, 1) -> next-token logits (B, V).
+
+    Eager: the model's forward over the filled cache slots. Compiled: `Llama.decode_step`, whose
+    shapes never change (it attends over every slot under a mask), under torch.compile; the
+    position gather stays outside so the compiled graph has no Python number that changes.
+    """
+
+    def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor, compile: bool):
+        self.model, self.cache, self.position_ids = model, cache, position_ids  # position_ids: (B, slots)
+        self.step = (
+            torch.compile(model.decode_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+            if compile
+            else None
+        )  # Dynamo keeps the compiled code with the function: later generations reuse it
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        cache, slot = self.cache, self.cache.length
+        positions = self.position_ids[:, slot, None]  # (B, 1)
+        if self.step is None:
+            return self.model(token, position_ids=positions, kv_cache=cache)[:, -1]
+        dtype = self.model.embed.weight.dtype
+        cos, sin = self.model.rope.cos_sin(positions, dtype, seq_len=cache.rope_seq_len)
+        cache.write_slot = cache._slots[slot : slot + 1]
+        logits = self.step(token, cos, sin, cache)
+        cache.advance(1)
+        return logits
 
 
 class TextStream:

@@ -7,7 +7,6 @@ import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.llama import Llama
@@ -87,8 +86,7 @@ class LitLlama(L.LightningModule):
 
     def _loss(self, batch) -> torch.Tensor:
         inputs, targets = batch  # (B, L) each, targets shifted by one
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.model(inputs, targets=targets)  # fused head + cross-entropy (model/loss.py)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)

@@ -15,6 +15,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.kv_cache import KVCache
+from model.loss import linear_cross_entropy
 from model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -41,6 +42,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.layout), apply_rotary(k, cos, sin, self.layout)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)  # keys are cached after rotation
+        if L == 1 and torch.compiler.is_compiling():  # a compiled decode step: see one_query_attention
+            return self.o_proj(one_query_attention(q, k, v, mask).reshape(B, 1, -1))
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -53,6 +56,51 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
+def one_query_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one query per head: q (B, H, 1, D), k/v (B, KV, S, D), mask (B|1, 1, 1, S) bool
+    or None -> (B, H, 1, D). Two small matmuls and a softmax that inductor fuses; the CPU flash
+    kernel of SDPA costs more than that for a single query."""
+    B, H, _, D = q.shape
+    q = q.view(B, k.shape[1], H // k.shape[1], D)  # query heads grouped under their KV head (GQA)
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5  # (B, KV, G, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).view(B, H, 1, D)
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up of the fused (..., 2F) gate/up projection. The backward writes both halves of
+    the gradient straight into one (..., 2F) tensor: the plain formula's chunk would cost a `cat`
+    pass over the largest activation of the block (eager only; inductor fuses the plain formula)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu_gate = F.silu(gate)
+        ctx.save_for_backward(gate_up, silu_gate)
+        return silu_gate * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        gate_up, silu_gate = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(grad, silu_gate, out=grad_up)
+        torch.mul(grad, up, out=grad_gate)  # d/d silu(gate), turned into d/d gate in place below
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate_up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2F) -> (..., F): silu(first half) * second half (the SwiGLU activation)."""
+    if torch.compiler.is_compiling():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SiluMul.apply(gate_up)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,8 +108,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up(x)))
 
 
 class Block(nn.Module):
@@ -141,11 +188,14 @@ class Llama(nn.Module):
         idx: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """idx: (B, L) token ids -> logits (B, L, vocab), float32 unless autocast says otherwise.
 
         position_ids: None (0..L-1, or continuing after the cache's filled slots), (L,) or (B, L).
         kv_cache: if given, new keys/values go to its next slots and attention covers all filled ones.
+        targets: (B, L) next-token ids; if given, returns the mean cross-entropy (float32 scalar)
+            instead of the logits, through the fused head + loss (model/loss.py: no logits tensor).
         """
         B, L = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
@@ -165,9 +215,26 @@ class Llama(nn.Module):
             cos, sin = self.rope.cos_sin(None, dtype, seq_len=L, device=idx.device)  # no gather, no host sync
         else:  # (the sync in the gather path is a torch.compile graph break)
             cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=rope_len)
-        mask = self._attention_mask(L, kv_cache, idx.device)
-        for block in self.blocks:
-            x = block(x, cos, sin, kv_cache, mask)
+        x = self._layers(x, cos, sin, kv_cache, self._attention_mask(L, kv_cache, idx.device))
         if kv_cache is not None:
             kv_cache.advance(L)
-        return self.lm_head(self.norm(x))
+        if targets is not None:
+            return linear_cross_entropy(x, self.lm_head.weight, targets)
+        return self.lm_head(x)
+
+    def _layers(self, x, cos, sin, kv_cache, mask) -> torch.Tensor:
+        """(B, L, C) embeddings -> (B, L, C) normalised hidden states: every block, then the final norm."""
+        for block in self.blocks:
+            x = block(x, cos, sin, kv_cache, mask)
+        return self.norm(x)
+
+    def decode_step(self, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache):
+        """One token per row, written at `kv_cache.write_slot`, attending over every cache slot under
+        `kv_cache.slot_mask()` -> next-token logits (B, vocab).
+
+        idx: (B, 1); cos, sin: (B, 1, R) or (1, R) for the tokens' positions (rope.cos_sin).
+        Shapes are the same at every step and no Python number changes, so `torch.compile` builds
+        this once per cache shape (generation.generate with compile=True). The caller advances the cache.
+        """
+        x = self._layers(self.embed(idx), cos, sin, kv_cache, kv_cache.slot_mask())
+        return self.lm_head(x[:, -1])

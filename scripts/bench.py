@@ -36,7 +36,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from model.config import ModelConfig
-from model.generation import GREEDY, generate
+from model.generation import GREEDY, DecodeStep, generate
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.kv_cache import KVCache
 from model.lightning import measure_matmul_peak
@@ -53,6 +53,7 @@ DEFAULTS = dict(
     batch=16,
     seq_len=256,
     compile=True,  # also time torch.compile'd training steps (eager is always timed)
+    compile_decode=True,  # ours decodes through the compiled static-shape step (eager is timed beside it)
     prompt_len=32,
     new_tokens=256,
     contexts=[128, 512, 1024, 2048, 4096],
@@ -72,6 +73,7 @@ QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers ar
     batch=2,
     seq_len=32,
     compile=False,
+    compile_decode=False,
     prompt_len=8,
     new_tokens=8,
     contexts=[16, 64],
@@ -286,9 +288,14 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
         forward = logits_fn(side, torch.compile(model) if compiled else model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
+        def loss_fn():  # each side's own training loss: ours fuses the LM head into it (model/loss.py)
+            if side == "ours":
+                return forward(inputs, targets=targets)
+            return F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
+
         def step():
             with autocast(device):
-                loss = F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
+                loss = loss_fn()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -314,9 +321,15 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
     )
 
 
-def generation_fns(models: dict, prompt: torch.Tensor) -> dict[str, Callable[[int], object]]:
-    """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache."""
-    fns = {"ours": lambda n: generate(models["ours"], [prompt.tolist()], n, GREEDY)}
+def generation_fns(
+    models: dict, prompt: torch.Tensor, compile_decode: bool
+) -> dict[str, Callable[[int], object]]:
+    """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache.
+    With compile_decode, "ours" is the compiled decode step and "ours_eager" the eager one."""
+    ours = models["ours"]
+    fns = {"ours": lambda n: generate(ours, [prompt.tolist()], n, GREEDY, compile=compile_decode)}
+    if compile_decode:
+        fns["ours_eager"] = lambda n: generate(ours, [prompt.tolist()], n, GREEDY)
     if "transformers" in models:
         hf = models["transformers"]
         fns["transformers"] = lambda n: hf.generate(
@@ -338,7 +351,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     models = build_models(cfg, peers, device, P + N, args["seed"])
     models = {side: m.eval().to(peak_dtype(device)) for side, m in models.items()}
     prompt = torch.randint(cfg.vocab_size, (P,), device=device)
-    fns = generation_fns(models, prompt)
+    fns = generation_fns(models, prompt, args["compile_decode"])
 
     def timed(n):
         return {side: torch.inference_mode()(lambda f=f: f(n)) for side, f in fns.items()}
@@ -366,24 +379,29 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
 
 @torch.inference_mode()
 def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
-    """Seconds per one-token step after a prefill to each context length (ours). Contexts take
-    turns step by step so load drifts hit all of them alike."""
+    """Seconds per one-token step (ours, the decode step `generate` uses) after a prefill to each
+    context length. Contexts take turns step by step so load drifts hit all of them alike."""
     contexts, steps = args["contexts"], args["latency_steps"]
     torch.manual_seed(args["seed"])
     model = Llama(cfg).to(device).eval().to(peak_dtype(device))
-    caches, tokens = {}, {}
+    caches, decoders, tokens = {}, {}, {}
     for ctx in contexts:
-        caches[ctx] = KVCache.for_model(cfg, 1, ctx + steps + 1, device=device, dtype=peak_dtype(device))
+        capacity = ctx + steps + 2
+        caches[ctx] = KVCache.for_model(
+            cfg, 1, capacity, device=device, dtype=peak_dtype(device), rope_seq_len=capacity
+        )
+        positions = torch.arange(capacity, device=device)[None]
+        decoders[ctx] = DecodeStep(model, caches[ctx], positions, args["compile_decode"])
         logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
         tokens[ctx] = logits[:, -1:].argmax(-1)
-    for ctx in contexts:  # one untimed step each: first-call allocations
-        tokens[ctx] = model(tokens[ctx], kv_cache=caches[ctx])[:, -1:].argmax(-1)
+    for ctx in contexts:  # one untimed step each: first-call allocations (and the compile)
+        tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
     times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
     for _ in range(steps):
         for ctx in contexts:
             sync(device)
             t0 = time.perf_counter()
-            tokens[ctx] = model(tokens[ctx], kv_cache=caches[ctx])[:, -1:].argmax(-1)
+            tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
             sync(device)
             times[ctx].append(time.perf_counter() - t0)
     seconds = {str(ctx): statistics.median(t) for ctx, t in times.items()}

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.config import ModelConfig
 from model.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from model.kv_cache import CacheFullError, KVCache
-from model.llama import Llama
+from model.llama import Llama, one_query_attention, silu_mul
+from model.loss import linear_cross_entropy
 from model.rope import RopeConfig
 
 L0 = 32  # training length the scalings are relative to
@@ -116,6 +118,84 @@ def test_left_padding_mask_matches_unpadded_row():
         cache.key_mask = torch.tensor([[False] * 3 + [True] * 5])
         out = model(padded, position_ids=torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4]]), kv_cache=cache)
     torch.testing.assert_close(out[:, 3:], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["none", "yarn", "dynamic_ntk", "interleaved"])
+@pytest.mark.parametrize("n_kv_heads", [4, 1])
+def test_static_decode_step_equals_full_forward(name, n_kv_heads):
+    """The compiled decode path's math, eager: one token at a tensor slot, attention over every
+    slot under slot_mask (left padding included) gives the full forward's logits."""
+    model = tiny(ROPES[name], n_kv_heads=n_kv_heads)
+    prompt = torch.randint(1, 97, (1, 6))
+    rest = torch.randint(1, 97, (1, 5))
+    positions = torch.arange(500, 511)
+    with torch.no_grad():
+        full = model(torch.cat([prompt, rest], dim=1), position_ids=positions)
+        pad = 3  # the row is left padded by 3 slots: the mask must hide them
+        cache = KVCache.for_model(model.config, 1, pad + 11 + 4, rope_seq_len=511)  # 4 slots never written
+        cache.key_mask = torch.arange(cache.capacity)[None] >= pad
+        padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), prompt], dim=1)
+        pad_positions = torch.cat([positions[:1].repeat(pad), positions[:6]])
+        model(padded, position_ids=pad_positions, kv_cache=cache)
+        steps = []
+        for t in range(5):
+            cos, sin = model.rope.cos_sin(positions[6 + t, None], torch.float32, seq_len=511)
+            cache.write_slot = torch.tensor([cache.length])
+            steps.append(model.decode_step(rest[:, t : t + 1], cos, sin, cache))
+            cache.advance(1)
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_query_attention_equals_sdpa(batch):
+    q, k, v = torch.randn(batch, 8, 1, 16), torch.randn(batch, 2, 9, 16), torch.randn(batch, 2, 9, 16)
+    mask = torch.rand(batch, 1, 1, 9) > 0.3
+    mask[..., 0] = True  # every row sees at least one key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(one_query_attention(q, k, v, mask), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 256])
+def test_fused_loss_equals_cross_entropy_of_logits(chunk_rows):
+    """Loss and gradients of the chunked head + loss equal the plain formula (float64: exact up to
+    rounding), also when the rows do not divide into chunks."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_rows)
+    (2.5 * loss).backward()  # an upstream gradient that is not 1
+    fused = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    ref = F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten())
+    (2.5 * ref).backward()
+    for got, expected in zip(fused, (ref.detach(), hidden.grad, weight.grad)):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    with torch.no_grad():  # evaluation: the same value, no gradient work
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows), ref.detach())
+
+
+def test_model_loss_and_gradients_equal_logits_path():
+    model = tiny(init_std=0.3)
+    idx, targets = torch.randint(0, 97, (2, 20)), torch.randint(0, 97, (2, 20))
+    model(idx, targets=targets).backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()
+    for name, p in model.named_parameters():  # the tied embedding gets both of its gradients
+        torch.testing.assert_close(fused[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_silu_mul_gradient():
+    gate_up = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(silu_mul, (gate_up,))
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_fused_loss_rejects_mismatched_targets():
+    with pytest.raises(ValueError, match="6 hidden rows but 5 targets"):
+        linear_cross_entropy(torch.randn(6, 4), torch.randn(9, 4), torch.zeros(5, dtype=torch.long))
 
 
 def test_cache_full_raises():
