@@ -137,10 +137,11 @@ def setup_run(cfg: DictConfig):
         print(f"Initialised weights from {cfg.init_from}")
 
     sample = TextSample(tokenizer, run_dir, **OmegaConf.to_container(cfg.sample, resolve=True))
+    logger = build_logger(cfg.logger, run_dir, cfg)
     trainer = instantiate(
         cfg.trainer,
-        logger=build_logger(cfg.logger, run_dir, cfg),
-        callbacks=build_callbacks(cfg.callbacks, run_dir, sample),
+        logger=logger,
+        callbacks=build_callbacks(cfg.callbacks, run_dir, sample, log_lr=bool(logger)),
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )

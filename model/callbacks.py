@@ -85,14 +85,16 @@ class SaveLastCheckpoint(L.Callback):
                 print(f"\nSIGTERM at step {trainer.global_step}: saved {self.path}", flush=True)
 
 
-def build_callbacks(cfg, run_dir: Path, sample: TextSample | None) -> list[L.Callback]:
-    """Checkpoints (last + best by val/loss), LR monitor, progress bar, text samples."""
+def build_callbacks(cfg, run_dir: Path, sample: TextSample | None, log_lr: bool = True) -> list[L.Callback]:
+    """Checkpoints (last + best by val/loss), LR monitor (`log_lr`: Lightning refuses it without a
+    logger, as with logger=none), progress bar, text samples."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     callbacks: list[L.Callback] = [
         SaveLastCheckpoint(ckpt_dir),
-        LearningRateMonitor(logging_interval="step"),
         TQDMProgressBar(refresh_rate=cfg.progress_bar.refresh_rate),
     ]
+    if log_lr:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.checkpoint.save_last:
         callbacks.append(
             ModelCheckpoint(

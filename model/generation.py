@@ -97,8 +97,8 @@ class Generation:
 
     tokens: list[list[int]]
     prompt_tokens: int  # real prompt tokens over all rows (bos included, padding not)
-    prefill_seconds: float  # prompt forward + first token, synced
-    decode_steps: int  # one-token forwards after the prefill
+    prefill_seconds: float  # prompt forward + first token (+ building the compiled step), synced
+    decode_steps: int  # timed one-token forwards after the prefill
     decode_seconds: float
 
     @property
@@ -198,6 +198,7 @@ def generate(
     active = [True] * batch
 
     decode = DecodeStep(model, cache, position_ids, compile)
+    untimed = 1 if compile else 0  # the first compiled step builds the graph: it counts as prefill
 
     t0 = time.perf_counter()
     logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1]
@@ -212,13 +213,13 @@ def generate(
             tokens[row].append(token)
             if on_token is not None and on_token(row, token):
                 active[row] = False
-        if step == 0:
+        if step <= untimed:
             t1 = time.perf_counter()
         if not any(active) or step == max_new_tokens - 1:
             break
         logits = decode(next_token[:, None])
     t2 = time.perf_counter()
-    return Generation(tokens, sum(map(len, prompts)), t1 - t0, step, t2 - t1)
+    return Generation(tokens, sum(map(len, prompts)), t1 - t0, max(step - untimed, 0), t2 - t1)
 
 
 # torch.compile options of the decode step. cpp_wrapper: the graph's kernel calls run from C++, not

@@ -455,6 +455,8 @@ def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
         args[:-1] + [f"stop={text[cut : cut + 2]}"], monkeypatch, capsys
     )  # a string, not a list
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
+    code, out, _ = run_main(args + ["compile=true"], monkeypatch, capsys)  # the compiled decode step
+    assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
 
 
 def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):

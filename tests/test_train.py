@@ -147,6 +147,11 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, corpus, monkeypatch):
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
 
+def test_logger_none_trains_and_checkpoints(tmp_path, corpus):
+    _, run_dir = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=4", name="nolog")
+    assert (run_dir / "checkpoints" / "last.ckpt").exists() and not (run_dir / "metrics.csv").exists()
+
+
 def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     sweep = tmp_path / "sweep"
     proc = train_cli(
