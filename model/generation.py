@@ -249,13 +249,13 @@ class DecodeStep:
         )  # Dynamo keeps the compiled code with the function: later generations reuse it
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        cache, slot = self.cache, self.cache.length
-        positions = self.position_ids[:, slot, None]  # (B, 1)
+        cache = self.cache
+        positions = self.position_ids[:, cache.length, None]  # (B, 1)
         if self.step is None:
             return self.model(token, position_ids=positions, kv_cache=cache)[:, -1]
         dtype = self.model.embed.weight.dtype
         cos, sin = self.model.rope.cos_sin(positions, dtype, seq_len=cache.rope_seq_len)
-        cache.write_slot = cache._slots[slot : slot + 1]
+        cache.select_next_slot()
         logits = self.step(token, cos, sin, cache)
         cache.advance(1)
         return logits

@@ -94,6 +94,10 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def select_next_slot(self) -> None:
+        """Point `write_slot` at the next free slot (a view of a preallocated index: no allocation)."""
+        self.write_slot = self._slots[self.length : self.length + 1]
+
     def slot_mask(self) -> torch.Tensor:
         """(B|1, 1, 1, capacity) bool for a one-token step at `write_slot`: the slots written so far,
         padding excluded (the attention mask of the static-shape path)."""

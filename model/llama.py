@@ -15,7 +15,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.loss import linear_cross_entropy
+from model.loss import autocast_dtype, linear_cross_entropy
 from model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -208,9 +208,7 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + L, device=idx.device)
             rope_len = rope_len or start + L
-        device_type = idx.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype  # the dtype q and k will have
+        dtype = autocast_dtype(x)  # the dtype q and k will have
         if kv_cache is None and rope_len == L:  # default training positions 0..L-1: a slice of the table,
             cos, sin = self.rope.cos_sin(None, dtype, seq_len=L, device=idx.device)  # no gather, no host sync
         else:  # (the sync in the gather path is a torch.compile graph break)

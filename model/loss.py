@@ -17,7 +17,7 @@ import torch
 CHUNK_ROWS = 256  # 256 x 4096 float32 logits = 4 MiB: one chunk stays in a CPU core's L2 cache
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
     """The matmul dtype autocast would choose for `t` (bf16 on GPU), else its own dtype."""
     device_type = t.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else t.dtype
@@ -27,7 +27,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_rows):
         n = hidden.shape[0]
-        dtype = _compute_dtype(hidden)
+        dtype = autocast_dtype(hidden)
         acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: float32 at least
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below

@@ -140,7 +140,7 @@ def test_static_decode_step_equals_full_forward(name, n_kv_heads):
         steps = []
         for t in range(5):
             cos, sin = model.rope.cos_sin(positions[6 + t, None], torch.float32, seq_len=511)
-            cache.write_slot = torch.tensor([cache.length])
+            cache.select_next_slot()
             steps.append(model.decode_step(rest[:, t : t + 1], cos, sin, cache))
             cache.advance(1)
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
