@@ -15,6 +15,7 @@ stays on the device.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -232,6 +233,14 @@ COMPILE_OPTIONS = {
 }
 
 
+@functools.cache
+def compiled_decode_step() -> Callable:
+    """torch.compile of `Llama.decode_step(model, ...)`, wrapped once per process: building the
+    wrapper costs about 1 ms, which every generate(compile=True) call paid when it made its own.
+    The model is an argument, so any model shares it; Dynamo builds one graph per cache shape."""
+    return torch.compile(Llama.decode_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+
+
 class DecodeStep:
     """The one-token forward of the decode loop: token ids (B, 1) -> next-token logits (B, V).
 
@@ -242,11 +251,7 @@ class DecodeStep:
 
     def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor, compile: bool):
         self.model, self.cache, self.position_ids = model, cache, position_ids  # position_ids: (B, slots)
-        self.step = (
-            torch.compile(model.decode_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-            if compile
-            else None
-        )  # Dynamo keeps the compiled code with the function: later generations reuse it
+        self.step = compiled_decode_step() if compile else None
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -256,7 +261,7 @@ class DecodeStep:
         dtype = self.model.embed.weight.dtype
         cos, sin = self.model.rope.cos_sin(positions, dtype, seq_len=cache.rope_seq_len)
         cache.select_next_slot()
-        logits = self.step(token, cos, sin, cache)
+        logits = self.step(self.model, token, cos, sin, cache)
         cache.advance(1)
         return logits
 

@@ -130,6 +130,20 @@ def test_compiled_decode_equals_eager(model, tok):
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]  # nothing was compiled again
 
 
+def test_compiled_decode_uses_each_models_own_weights(model, tok):
+    """Every generate(compile=True) shares one compiled step (model/generation.compiled_decode_step):
+    a second model of the same shape must decode with its own weights, not the first one's."""
+    prompt = prompt_ids(tok, "ROMEO:")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    first = generate(model, [prompt], 20, GREEDY, compile=True).tokens
+    second = generate(other, [prompt], 20, GREEDY, compile=True).tokens
+    assert second == generate(other, [prompt], 20, GREEDY).tokens
+    assert first == generate(model, [prompt], 20, GREEDY).tokens and first != second
+
+
 @pytest.mark.parametrize("start_pos", [0, 7])
 def test_left_padded_batch_equals_each_prompt_alone(model, tok, start_pos):
     texts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "But soft, what"]

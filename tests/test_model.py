@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from model.config import ModelConfig
 from model.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from model.kv_cache import CacheFullError, KVCache
-from model.llama import Llama, one_query_attention, silu_mul
+from model.llama import Llama, RMSNorm, one_query_attention, silu_mul
 from model.loss import linear_cross_entropy
 from model.rope import RopeConfig
 
@@ -191,6 +191,31 @@ def test_silu_mul_gradient():
     assert torch.autograd.gradcheck(silu_mul, (gate_up,))
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's reference, bf16 input
+def test_rms_norm_matches_torch_and_gradcheck():
+    """Our RMSNorm's hand-written backward: gradcheck in float64 (input and weight), and the same
+    output and gradients as torch's composite nn.RMSNorm in float32 and for a bfloat16 input."""
+    norm = RMSNorm(6, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (x,))
+    reference = torch.nn.RMSNorm(6, eps=1e-5).double()
+    reference.load_state_dict(norm.state_dict())  # same parameter name: checkpoints are unchanged
+    for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
+        ours, ref = norm.float(), reference.float()
+        x = torch.randn(4, 7, 6).to(dtype).requires_grad_()
+        grad = torch.randn(4, 7, 6).to(dtype)
+        out, out_ref = ours(x), ref(x)
+        assert out.dtype == out_ref.dtype == dtype
+        torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
+        grads = torch.autograd.grad(out, (x, ours.weight), grad)
+        grads_ref = torch.autograd.grad(out_ref, (x, ref.weight), grad)
+        for g, g_ref in zip(grads, grads_ref):
+            assert g.dtype == g_ref.dtype
+            torch.testing.assert_close(g, g_ref, atol=tol * 10, rtol=tol)
 
 
 def test_fused_loss_rejects_mismatched_targets():
