@@ -58,6 +58,7 @@ DEFAULTS = dict(
     new_tokens=256,
     contexts=[128, 512, 1024, 2048, 4096],
     latency_steps=128,  # timed one-token steps per context (cheap; more steps, steadier medians)
+    latency_block=16,  # consecutive steps per context before the next context takes its turn
     rope_shape=[8, 8, 1024, 64],  # (B, H, L, D)
     matmul_n=2048,
     repeats=9,  # medians of 9 interleaved calls: run-to-run spread of a ratio was ~5% with 5
@@ -379,14 +380,19 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
 
 @torch.inference_mode()
 def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
-    """Seconds per one-token step (ours, the decode step `generate` uses) after a prefill to each
-    context length. Contexts take turns step by step so load drifts hit all of them alike."""
+    """Seconds per one-token step (ours, the decode step `generate` uses) with exactly `ctx` tokens
+    in the cache, for each context. The cache is rewound to `ctx` before every timed step, so each
+    one decodes at the same context. Contexts take turns in blocks of `latency_block` consecutive
+    steps: one context's consecutive steps are what a generation does (its cache stays warm from
+    step to step, where a step-by-step rotation over five caches evicts it), and the turns still
+    spread load drifts over all contexts."""
     contexts, steps = args["contexts"], args["latency_steps"]
+    block = max(1, min(args["latency_block"], steps))
     torch.manual_seed(args["seed"])
     model = Llama(cfg).to(device).eval().to(peak_dtype(device))
     caches, decoders, tokens = {}, {}, {}
     for ctx in contexts:
-        capacity = ctx + steps + 2
+        capacity = ctx + 1  # the prompt and the one slot every timed step writes
         caches[ctx] = KVCache.for_model(
             cfg, 1, capacity, device=device, dtype=peak_dtype(device), rope_seq_len=capacity
         )
@@ -394,16 +400,22 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
         decoders[ctx] = DecodeStep(model, caches[ctx], positions, args["compile_decode"])
         logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
         tokens[ctx] = logits[:, -1:].argmax(-1)
-    for ctx in contexts:  # one untimed step each: first-call allocations (and the compile)
+
+    def step(ctx: int) -> None:
+        caches[ctx].length = ctx  # rewind: the step attends over exactly ctx cached tokens + itself
         tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
+
+    for ctx in contexts:  # one untimed step each: first-call allocations (and the compile)
+        step(ctx)
     times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
-    for _ in range(steps):
+    for _ in range(-(-steps // block)):
         for ctx in contexts:
-            sync(device)
-            t0 = time.perf_counter()
-            tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
-            sync(device)
-            times[ctx].append(time.perf_counter() - t0)
+            for _ in range(block):
+                sync(device)
+                t0 = time.perf_counter()
+                step(ctx)
+                sync(device)
+                times[ctx].append(time.perf_counter() - t0)
     seconds = {str(ctx): statistics.median(t) for ctx, t in times.items()}
     return dict(
         seconds_per_token=seconds,
