@@ -260,6 +260,12 @@ class _RotateHalf(torch.autograd.Function):
         return _rotate_half_into(grad, c1, c2, -s2, -s1), None, None  # exact transpose for any tables
 
 
+def _broadcasts_into(shape: torch.Size, target: torch.Size) -> bool:
+    """True when a tensor of `shape` broadcasts against `target` without enlarging it. (Plain Python:
+    torch.broadcast_shapes imports sympy on its first call, 0.3 s of every process's first forward.)"""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """Rotate the first cos.shape[-1] channels of x; the rest pass through untouched.
 
@@ -276,7 +282,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
             and not torch.compiler.is_compiling()  # inductor fuses the plain formula better
             and cos.dtype == x.dtype
             and not (cos.requires_grad or sin.requires_grad)
-            and torch.broadcast_shapes(x.shape, cos.shape) == x.shape  # the output has x's shape
+            and _broadcasts_into(cos.shape, x.shape)  # the output has x's shape
         )
         return _RotateHalf.apply(x, cos, sin) if fast else x * cos + rotate(x) * sin
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]

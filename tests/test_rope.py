@@ -14,6 +14,7 @@ from model.rope import (
     SCALINGS,
     RopeConfig,
     RotaryEmbedding,
+    _broadcasts_into,
     apply_rotary,
     default_inv_freq,
     rope_frequencies,
@@ -301,3 +302,23 @@ def test_input_validation():
         RotaryEmbedding(15, RopeConfig())
     with pytest.raises(ValueError, match="cannot exceed the head dimension"):
         RotaryEmbedding(16, RopeConfig(rotary_dim=32))
+
+
+@pytest.mark.parametrize(
+    "shape, target",
+    [
+        ((1, 1, 256, 16), (16, 8, 256, 16)),
+        ((256, 16), (16, 8, 256, 16)),
+        ((16, 1, 256, 16), (16, 8, 256, 16)),
+        ((2, 1, 256, 16), (16, 8, 256, 16)),  # does not broadcast at all
+        ((16, 8, 256, 16), (8, 256, 16)),  # would enlarge the target
+        ((1, 256, 32), (1, 256, 16)),
+    ],
+)
+def test_broadcasts_into_agrees_with_torch(shape, target):
+    """The fast path's shape check (plain Python, no sympy import) says what torch.broadcast_shapes says."""
+    try:
+        expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        expected = False
+    assert _broadcasts_into(torch.Size(shape), torch.Size(target)) == expected
