@@ -95,10 +95,10 @@ class _SiluMul(torch.autograd.Function):
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2F) -> (..., F): silu(first half) * second half (the SwiGLU activation)."""
-    if torch.compiler.is_compiling():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return _SiluMul.apply(gate_up)
+    if torch.is_grad_enabled() and gate_up.requires_grad and not torch.compiler.is_compiling():
+        return _SiluMul.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # inference, or inductor (which fuses this): no custom backward
+    return F.silu(gate) * up  # needed, and autograd.Function.apply costs ~4 us per call
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -128,11 +128,13 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same state dict) computed by _RMSNorm outside torch.compile;
-    inductor fuses the plain formula into one kernel, so compiled code keeps it."""
+    """nn.RMSNorm (same parameter, same state dict) computed by _RMSNorm when a backward will follow,
+    outside torch.compile. Inductor fuses the plain formula into one kernel, and without autograd
+    torch's single rms_norm op is cheaper than _RMSNorm.apply (9 against 17 us per decode token)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        needs_backward = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if not needs_backward or torch.compiler.is_compiling():
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
         return _RMSNorm.apply(x, self.weight, eps)
@@ -155,7 +157,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()  # p=0: skip the call
 
     def forward(self, x, cos, sin, kv_cache, mask):
         x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, kv_cache, mask))

@@ -241,6 +241,12 @@ def _rotate_half_into(x: torch.Tensor, c1, c2, s1, s2) -> torch.Tensor:
     return out
 
 
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin (half layout) through _rotate_half_into."""
+    (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
+    return _rotate_half_into(x, c1, c2, s1, s2)
+
+
 class _RotateHalf(torch.autograd.Function):
     """x * cos + rotate_half(x) * sin for the half layout, about 1.5x faster than the plain formula
     in eager mode (forward + backward): no rotate_half / cat temporaries, and the backward is the
@@ -249,8 +255,7 @@ class _RotateHalf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-        return _rotate_half_into(x, c1, c2, s1, s2)
+        return _rotate_half(x, cos, sin)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -284,7 +289,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
             and not (cos.requires_grad or sin.requires_grad)
             and _broadcasts_into(cos.shape, x.shape)  # the output has x's shape
         )
-        return _RotateHalf.apply(x, cos, sin) if fast else x * cos + rotate(x) * sin
+        if not fast:
+            return x * cos + rotate(x) * sin
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _RotateHalf.apply(x, cos, sin)
+        return _rotate_half(x, cos, sin)  # no backward to prepare: skip autograd.Function's overhead
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 

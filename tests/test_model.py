@@ -175,6 +175,17 @@ def test_fused_loss_equals_cross_entropy_of_logits(chunk_rows):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows), ref.detach())
 
 
+def test_training_and_inference_paths_give_the_same_logits():
+    """With autograd on, RMSNorm, RoPE and SwiGLU run as custom autograd functions; without it
+    (generation, evaluation) as plain ops. Both must compute the same logits."""
+    model = tiny(init_std=0.3)
+    idx = torch.randint(0, 97, (2, 20))
+    with_autograd = model(idx)
+    assert with_autograd.requires_grad
+    with torch.inference_mode():
+        torch.testing.assert_close(model(idx), with_autograd.detach(), atol=1e-4, rtol=1e-4)  # fp32 rounding
+
+
 def test_model_loss_and_gradients_equal_logits_path():
     model = tiny(init_std=0.3)
     idx, targets = torch.randint(0, 97, (2, 20)), torch.randint(0, 97, (2, 20))
