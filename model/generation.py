@@ -172,7 +172,7 @@ def generate(
     on_token(row, token): called on the host for each new token of an unfinished row; return True
         to stop that row (e.g. a stop string was completed). The row keeps the token.
     compile: decode through `torch.compile(model.decode_step)`: fixed shapes over the whole cache,
-        built once per cache shape (tens of seconds on a CPU), then about 2x faster per token.
+        built once per cache shape (seconds on a CPU), then about 1.5x faster per token.
     Generation ends when every row stopped or after max_new_tokens steps.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
