@@ -102,6 +102,34 @@ def parse_args(argv: list[str]) -> dict:
     return {**DEFAULTS, **(QUICK if quick else {}), **given}
 
 
+def check_args(args: dict) -> None:
+    """Fail within seconds, not after minutes of benchmarking: every shape must be a configs/model
+    group and the output file's directory must be writable."""
+    shapes = sorted(p.stem for p in (ROOT / "configs" / "model").glob("*.yaml"))
+    unknown = [s for s in args["shapes"] if s not in shapes]
+    if unknown:
+        raise SystemExit(f"error: unknown shapes {unknown}; allowed are configs/model groups {shapes}.")
+    out = Path(args["out"])
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create the directory of out={out}: {e.strerror}.") from None
+    if not os.access(out.parent, os.W_OK):
+        raise SystemExit(f"error: out={out} is not writable; choose another path.")
+
+
+class Progress:
+    """One line per section on stderr with the elapsed time: a full run takes several minutes."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        elapsed = int(time.perf_counter() - self.start)
+        print(f"[bench {elapsed // 60}:{elapsed % 60:02d}] {self.done}/{self.total} {what}", file=sys.stderr)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -554,6 +582,7 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
+    check_args(args)
     if args["threads"]:
         torch.set_num_threads(int(args["threads"]))
     device = pick_device(args["device"])
@@ -571,21 +600,29 @@ def main(argv: list[str]) -> dict:
         peers_unavailable=unavailable,
         note="Ratios are ours / peer of medians of interleaved runs; absolute numbers need a quiet machine.",
     )
+    train_runs = [
+        (shape, c) for shape in args["shapes"] for c in ((False, True) if args["compile"] else (False,))
+    ]
+    progress = Progress(4 + len(train_runs))
     default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
+    progress("parity of the peers' logits and the matmul peak")
     results["parity_max_abs_logit_diff"] = parity(
         build_models(default_cfg, model_peers, device, 64, 0), args["vocab"], device
     )
     results["matmul_peak_flops"] = matmul_peak(
         args, device
     )  # before and after the training runs: keep the best
+    progress("generation: prefill and decode tokens/s")
     results["generate"] = bench_generate(default_cfg, args, model_peers, device)
+    progress(f"decode latency at contexts {list(args['contexts'])}")
     results["decode_latency"] = bench_decode_latency(default_cfg, args, device)
+    progress("the RoPE op")
     results["rope"] = bench_rope(args, peers, device)
     results["train"] = []
-    for shape in args["shapes"]:
+    for shape, compiled in train_runs:
+        progress(f"training step, model={shape}, {'compiled' if compiled else 'eager'}")
         cfg = model_config(shape, args["vocab"], args["seq_len"])
-        for compiled in (False, True) if args["compile"] else (False,):
-            results["train"].append(bench_train(cfg, shape, args, model_peers, device, compiled))
+        results["train"].append(bench_train(cfg, shape, args, model_peers, device, compiled))
     results["matmul_peak_flops"] = max(results["matmul_peak_flops"], matmul_peak(args, device))
     for t in results["train"]:
         t["mfu"] = t["achieved_flops"] / results["matmul_peak_flops"]

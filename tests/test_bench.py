@@ -22,6 +22,7 @@ def test_quick_bench_writes_every_section(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| target |" in run.stdout  # the markdown report
+    assert "5/5 training step, model=tiny, eager" in run.stderr  # progress, one line per section
     r = json.loads(out.read_text())
 
     assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
@@ -68,3 +69,18 @@ def test_unknown_argument_is_one_sentence():
         timeout=120,
     )
     assert run.returncode != 0 and "unknown arguments ['shape']" in run.stderr
+
+
+def test_bad_shape_or_output_fails_before_benchmarking(tmp_path):
+    """A typo in a shape or an unwritable output must stop the run at once, not after minutes."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for args, message in [
+        (["shapes=[tiny,smal]"], "unknown shapes ['smal']"),
+        ([f"out={blocker}/bench.json"], "cannot create the directory"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "scripts/bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+        assert "[bench" not in run.stderr  # no section started
