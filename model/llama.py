@@ -97,8 +97,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2F) -> (..., F): silu(first half) * second half (the SwiGLU activation)."""
     if torch.is_grad_enabled() and gate_up.requires_grad and not torch.compiler.is_compiling():
         return _SiluMul.apply(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)  # inference, or inductor (which fuses this): no custom backward
-    return F.silu(gate) * up  # needed, and autograd.Function.apply costs ~4 us per call
+    # Inference (no backward, so no need for autograd.Function.apply's ~4 us) or inductor (fuses this).
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -130,7 +131,7 @@ class _RMSNorm(torch.autograd.Function):
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameter, same state dict) computed by _RMSNorm when a backward will follow,
     outside torch.compile. Inductor fuses the plain formula into one kernel, and without autograd
-    torch's single rms_norm op is cheaper than _RMSNorm.apply (9 against 17 us per decode token)."""
+    torch's single rms_norm op is cheaper than _RMSNorm.apply (9 against 17 us per call at decode size)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         needs_backward = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
