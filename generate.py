@@ -144,9 +144,11 @@ def run_sample(
             print(rest)
         else:
             print(f"{'-' * 20} sample {row}\n{text}{stream.text}" if len(texts) > 1 else text + stream.text)
+    compiled = f"  compiled step built in {out.compile_seconds:.1f} s" if out.compile_seconds else ""
     print(
         f"\nprompt tokens: {out.prompt_tokens}  generated tokens: {out.generated_tokens}  "
-        f"prefill: {out.prefill_tokens_per_s:.1f} tokens/s  decode: {out.decode_tokens_per_s:.1f} tokens/s",
+        f"prefill: {out.prefill_tokens_per_s:.1f} tokens/s  decode: {out.decode_tokens_per_s:.1f} tokens/s"
+        + compiled,
         file=sys.stderr,
     )
 

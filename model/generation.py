@@ -98,9 +98,10 @@ class Generation:
 
     tokens: list[list[int]]
     prompt_tokens: int  # real prompt tokens over all rows (bos included, padding not)
-    prefill_seconds: float  # prompt forward + first token (+ building the compiled step), synced
+    prefill_seconds: float  # prompt forward + first token, synced
     decode_steps: int  # timed one-token forwards after the prefill
     decode_seconds: float
+    compile_seconds: float = 0.0  # compile=True: the first decode step, which builds or loads the graph
 
     @property
     def generated_tokens(self) -> int:
@@ -199,7 +200,7 @@ def generate(
     active = [True] * batch
 
     decode = DecodeStep(model, cache, position_ids, compile)
-    untimed = 1 if compile else 0  # the first compiled step builds the graph: it counts as prefill
+    untimed = 1 if compile else 0  # the first compiled step builds the graph: timed on its own
 
     t0 = time.perf_counter()
     logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1]
@@ -214,13 +215,16 @@ def generate(
             tokens[row].append(token)
             if on_token is not None and on_token(row, token):
                 active[row] = False
-        if step <= untimed:
+        if step == 0:
+            t_prefill = t1 = time.perf_counter()
+        elif step <= untimed:  # after the compiled step's first call
             t1 = time.perf_counter()
         if not any(active) or step == max_new_tokens - 1:
             break
         logits = decode(next_token[:, None])
     t2 = time.perf_counter()
-    return Generation(tokens, sum(map(len, prompts)), t1 - t0, max(step - untimed, 0), t2 - t1)
+    decode_steps = max(step - untimed, 0)
+    return Generation(tokens, sum(map(len, prompts)), t_prefill - t0, decode_steps, t2 - t1, t1 - t_prefill)
 
 
 # torch.compile options of the decode step. cpp_wrapper: the graph's kernel calls run from C++, not

@@ -123,8 +123,13 @@ def test_compiled_decode_equals_eager(model, tok):
     tokens as the eager loop, for a left-padded batch at a non-zero start position, and a second
     generation of the same shape reuses the compiled step."""
     prompts = [prompt_ids(tok, t) for t in ("ROMEO:", "JULIET: O Romeo, Romeo, wherefore")]
-    eager = generate(model, prompts, 30, GREEDY, start_pos=5).tokens
-    assert generate(model, prompts, 30, GREEDY, start_pos=5, compile=True).tokens == eager
+    eager_run = generate(model, prompts, 30, GREEDY, start_pos=5)
+    eager = eager_run.tokens
+    compiled = generate(model, prompts, 30, GREEDY, start_pos=5, compile=True)
+    assert compiled.tokens == eager
+    # the first compiled step (graph build) is timed apart from prefill and decode
+    assert eager_run.compile_seconds == 0 and compiled.compile_seconds > 0
+    assert compiled.decode_steps == eager_run.decode_steps - 1
     torch._dynamo.utils.counters.clear()
     assert generate(model, prompts, 30, GREEDY, start_pos=5, compile=True).tokens == eager
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]  # nothing was compiled again
