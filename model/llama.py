@@ -16,7 +16,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.loss import autocast_dtype, linear_cross_entropy
-from model.rope import RotaryEmbedding, apply_rotary
+from model.rope import RotaryEmbedding, apply_rotary, needs_custom_backward
 
 
 class Attention(nn.Module):
@@ -95,9 +95,8 @@ class _SiluMul(torch.autograd.Function):
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2F) -> (..., F): silu(first half) * second half (the SwiGLU activation)."""
-    if torch.is_grad_enabled() and gate_up.requires_grad and not torch.compiler.is_compiling():
+    if needs_custom_backward(gate_up):
         return _SiluMul.apply(gate_up)
-    # Inference (no backward, so no need for autograd.Function.apply's ~4 us) or inductor (fuses this).
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -129,13 +128,12 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same state dict) computed by _RMSNorm when a backward will follow,
-    outside torch.compile. Inductor fuses the plain formula into one kernel, and without autograd
-    torch's single rms_norm op is cheaper than _RMSNorm.apply (9 against 17 us per call at decode size)."""
+    """nn.RMSNorm (same parameter, same state dict) computed by _RMSNorm when an eager backward will
+    follow (rope.needs_custom_backward); otherwise torch's own op, which inductor fuses and which
+    without autograd is cheaper than _RMSNorm.apply (9 against 17 us per call at decode size)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        needs_backward = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if not needs_backward or torch.compiler.is_compiling():
+        if not needs_custom_backward(x, self.weight):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
         return _RMSNorm.apply(x, self.weight, eps)

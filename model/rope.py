@@ -241,6 +241,18 @@ def _rotate_half_into(x: torch.Tensor, c1, c2, s1, s2) -> torch.Tensor:
     return out
 
 
+def needs_custom_backward(*tensors: torch.Tensor) -> bool:
+    """True when autograd will run a backward through `tensors` in eager mode: the one case where the
+    hand-written autograd functions (_RotateHalf here, RMSNorm and SwiGLU in model/llama.py) beat
+    plain ops. Without autograd, Function.apply only adds microseconds per call; under torch.compile,
+    inductor fuses the plain formulas itself."""
+    return (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in tensors)
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (half layout) through _rotate_half_into."""
     (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
@@ -291,9 +303,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
         )
         if not fast:
             return x * cos + rotate(x) * sin
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _RotateHalf.apply(x, cos, sin)
-        return _rotate_half(x, cos, sin)  # no backward to prepare: skip autograd.Function's overhead
+        return _RotateHalf.apply(x, cos, sin) if needs_custom_backward(x) else _rotate_half(x, cos, sin)
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
