@@ -158,12 +158,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
         finish_wandb(trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
-        print(f"Checkpoints: {run_dir / 'checkpoints'} (last.ckpt, best.ckpt)")
-        summary = ", ".join(
-            f"{k}={metrics[k]:.4f}" for k in ("val/loss", "val/ppl", "val/bpc") if k in metrics
-        )
-        print(f"Final validation: {summary}")
+        print(run_summary(metrics, run_dir / "checkpoints", cfg.trainer.val_check_interval))
     return metrics
+
+
+def run_summary(metrics: dict[str, float], ckpt_dir: Path, val_check_interval) -> str:
+    """The end-of-run lines: the checkpoints that exist and the last validation, or why none ran."""
+    ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+    lines = [f"Checkpoints: {ckpt_dir} ({', '.join(ckpts) or 'none'})"]
+    scores = [f"{k}={metrics[k]:.4f}" for k in ("val/loss", "val/ppl", "val/bpc") if k in metrics]
+    if scores:
+        lines.append(f"Final validation: {', '.join(scores)}")
+    else:  # e.g. a smoke run shorter than the validation interval: say so instead of an empty line
+        lines.append(
+            f"Final validation: none ran (validation runs every trainer.val_check_interval={val_check_interval} "
+            "steps); lower it or run scripts/eval_extrapolation.py on the checkpoint."
+        )
+    return "\n".join(lines)
 
 
 def remove_empty_run_dir(run_dir: Path) -> None:

@@ -104,6 +104,9 @@ def build_callbacks(cfg, run_dir: Path, sample: TextSample | None, log_lr: bool 
                 save_last=True,
                 save_top_k=-1 if cfg.checkpoint.keep_all else 0,
                 every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+                # A run that ends before its first save gets last.ckpt from SaveLastCheckpoint, then
+                # from this callback's own on_train_end: overwrite it, not a second copy last-v1.ckpt.
+                enable_version_counter=False,
             )
         )
     if cfg.checkpoint.save_best:

@@ -14,7 +14,7 @@ from model.checkpoint import model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_logger, finish_wandb, train
+from train import build_logger, finish_wandb, run_summary, train
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +147,23 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, corpus, monkeypatch):
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
 
-def test_logger_none_trains_and_checkpoints(tmp_path, corpus):
+def test_logger_none_trains_and_checkpoints(tmp_path, corpus, capsys):
     _, run_dir = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=4", name="nolog")
-    assert (run_dir / "checkpoints" / "last.ckpt").exists() and not (run_dir / "metrics.csv").exists()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]  # no last-v1.ckpt copy
+    assert not (run_dir / "metrics.csv").exists()
+    out = capsys.readouterr().out  # 4 steps < val_check_interval=10: no validation, no best.ckpt
+    assert "(last.ckpt)" in out and "Final validation: none ran" in out and "best.ckpt" not in out
+
+
+def test_run_summary_names_existing_checkpoints_and_scores(tmp_path):
+    (tmp_path / "best.ckpt").touch()
+    (tmp_path / "last.ckpt").touch()
+    summary = run_summary({"val/loss": 1.5, "val/bpc": 2.0, "train/loss": 1.0}, tmp_path, 100)
+    assert (
+        summary
+        == f"Checkpoints: {tmp_path} (best.ckpt, last.ckpt)\nFinal validation: val/loss=1.5000, val/bpc=2.0000"
+    )
+    assert "none ran" in run_summary({}, tmp_path / "missing", 100).splitlines()[1]
 
 
 def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
