@@ -182,7 +182,7 @@ def continuation_logprobs(
     last = model(torch.tensor([prompt], device=device), kv_cache=cache)[0, -1]  # (V,) logits after the prompt
     scores = []
     for cand in candidates:
-        cache.length = n  # rewind: the candidate overwrites the previous one's slots
+        cache.rewind(n)  # the candidate overwrites the previous one's slots
         ids = torch.tensor([cand], device=device)
         logits = (
             torch.cat([last[None], model(ids[:, :-1], kv_cache=cache)[0]]) if len(cand) > 1 else last[None]

@@ -75,6 +75,13 @@ class KVCache:
         self.length = 0
         self.key_mask = None
 
+    def rewind(self, length: int) -> None:
+        """Forget every slot from `length` on: the next write goes there (e.g. to score another
+        continuation of the same prefix). Slots are overwritten, never cleared."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"Cannot rewind the KV cache to {length} tokens: it holds {self.length}.")
+        self.length = length
+
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.capacity:
             raise CacheFullError(

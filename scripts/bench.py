@@ -430,7 +430,7 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
         tokens[ctx] = logits[:, -1:].argmax(-1)
 
     def step(ctx: int) -> None:
-        caches[ctx].length = ctx  # rewind: the step attends over exactly ctx cached tokens + itself
+        caches[ctx].rewind(ctx)  # the step attends over exactly ctx cached tokens + itself
         tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
 
     for ctx in contexts:  # one untimed step each: first-call allocations (and the compile)

@@ -244,6 +244,21 @@ def test_cache_full_raises():
     assert cache.length == 0
 
 
+def test_rewind_replaces_the_forgotten_tokens():
+    model = tiny().eval()
+    prefix, a, b = torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9]]), torch.tensor([[10, 11]])
+    cache = KVCache.for_model(model.config, 1, 5)
+    with torch.no_grad():
+        model(prefix, kv_cache=cache)
+        model(a, kv_cache=cache)
+        cache.rewind(3)
+        rewound = model(b, kv_cache=cache)
+        fresh = model(torch.cat([prefix, b], dim=1))[:, 3:]
+    torch.testing.assert_close(rewound, fresh, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="Cannot rewind the KV cache to 6 tokens: it holds 5"):
+        cache.rewind(6)
+
+
 def test_parameter_count_and_flops():
     model = tiny()
     cfg = model.config
