@@ -4,7 +4,8 @@
     python scripts/study.py out=runs/study base_ckpt=runs/base large_base_ckpt=runs/base500k
     python scripts/study.py out=/tmp/smoke smoke=true -- data.cache_dir=/tmp/cache   # minutes, tiny model
 
-Steps (each skipped when its output already exists, so a killed study resumes):
+Steps (each skipped when its output already exists, so a killed study resumes; a killed training
+continues from its checkpoints/last.ckpt with ckpt_path=last):
   1. train the base model at max_len 256 with rope=none          -> out/runs/base
   2. evaluate every scaling method zero-shot                       -> out/eval/base
   3. fine-tune at 1024 with PI and with YaRN (experiment=extend_context), evaluate their own RoPE
@@ -54,16 +55,20 @@ SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.ma
 SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
+TRAINED = "study_trained"  # marker file in a run directory: its training finished
 
 
-def step(name: str, done: Path, command: list[str]) -> None:
-    """Run one entry point unless `done` exists; a failure stops the study with one sentence."""
+def step(name: str, done: Path, command: list[str], touch_done: bool = False) -> None:
+    """Run one entry point unless `done` exists; a failure stops the study with one sentence.
+    touch_done: `done` is a marker the study writes once the command succeeded (not its output)."""
     if done.exists():
         print(f"[study] {name}: done ({done} exists), skipped")
         return
     print(f"[study] {name}: {' '.join(command)}", flush=True)
     if subprocess.run([sys.executable, *command], cwd=ROOT).returncode != 0:
         raise RuntimeError(f"step {name!r} failed; fix it and re-run the same command to resume.")
+    if touch_done:
+        done.touch()
 
 
 def read_results(path: Path, model: str) -> list[dict]:
@@ -95,8 +100,11 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
 
     def train(name: str, *args: str) -> Path:
         run_dir = out / "runs" / name
-        step(f"train {name}", run_dir / "checkpoints" / "last.ckpt",
-             ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args])  # fmt: skip
+        # last.ckpt alone does not mean done (it is also written every 100 steps and on SIGTERM):
+        # the study marks a finished training itself, and an interrupted one resumes exactly.
+        resume = ["ckpt_path=last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
+        step(f"train {name}", run_dir / TRAINED,
+             ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args, *resume], touch_done=True)  # fmt: skip
         return run_dir
 
     def evaluate(name: str, ckpt: Path, methods: str) -> None:

@@ -26,7 +26,7 @@ from model.evaluation import (
 )
 from model.generation import score_tokens
 from model.lightning import LitLlama
-from scripts import eval_extrapolation, passkey
+from scripts import eval_extrapolation, passkey, study
 from scripts.common import datamodule_for, method_ropes
 from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
 from train import train
@@ -260,6 +260,25 @@ def test_cli_errors_are_one_sentence(script, args, message):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(command, cwd):  # records train.py's command line, then "fails" to stop the study
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    base = tmp_path / "runs" / "base"
+    (base / "checkpoints").mkdir(parents=True)
+    (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
+    with pytest.raises(RuntimeError, match="step 'train base' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path)), [])
+    assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
+    (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
+    with pytest.raises(RuntimeError, match="step 'eval base' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path)), [])
 
 
 @pytest.mark.slow
