@@ -81,6 +81,16 @@ def finish_wandb(trainer) -> None:
             logger.experiment.finish()
 
 
+def refuse_to_overwrite(run_dir: Path) -> None:
+    """A new run must not replace another run's checkpoints (e.g. a resume that forgot ckpt_path=last)."""
+    existing = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    if existing:
+        raise CheckpointError(
+            f"{run_dir} already holds checkpoints ({', '.join(existing)}); resume that run with ckpt_path=last, "
+            "choose another run_name, or pass overwrite=true to train a new run over it."
+        )
+
+
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path in (None, ""):
         return None
@@ -104,6 +114,8 @@ def setup_run(cfg: DictConfig):
     model_kwargs = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig(vocab_size=VOCAB_MULTIPLE, rope=rope, **model_kwargs)  # shape errors before any data work
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if ckpt_path is None and not cfg.overwrite:
+        refuse_to_overwrite(run_dir)
     init_state = model_state_from_checkpoint(safe_load(cfg.init_from)) if cfg.init_from else None
 
     datamodule = instantiate(cfg.data)

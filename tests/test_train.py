@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from model.checkpoint import model_state_from_checkpoint, safe_load
+from model.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
@@ -153,6 +153,18 @@ def test_logger_none_trains_and_checkpoints(tmp_path, corpus, capsys):
     assert not (run_dir / "metrics.csv").exists()
     out = capsys.readouterr().out  # 4 steps < val_check_interval=10: no validation, no best.ckpt
     assert "(last.ckpt)" in out and "Final validation: none ran" in out and "best.ckpt" not in out
+
+
+def test_new_run_refuses_a_run_directory_with_checkpoints(tmp_path, corpus):
+    _, run_dir = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=2", name="taken")
+    before = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+    with pytest.raises(CheckpointError, match=r"taken already holds checkpoints \(last.ckpt\); resume"):
+        run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=2", "seed=5", name="taken")
+    assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == before  # nothing was written
+    run_train(
+        tmp_path, corpus, "logger=none", "trainer.max_steps=2", "seed=5", "overwrite=true", name="taken"
+    )
+    assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() != before
 
 
 def test_run_summary_names_existing_checkpoints_and_scores(tmp_path):
