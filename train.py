@@ -81,9 +81,14 @@ def finish_wandb(trainer) -> None:
             logger.experiment.finish()
 
 
+def checkpoint_names(ckpt_dir: Path) -> list[str]:
+    """The .ckpt files in a run's checkpoints/ directory, sorted ([] when it does not exist)."""
+    return sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
+
+
 def refuse_to_overwrite(run_dir: Path) -> None:
     """A new run must not replace another run's checkpoints (e.g. a resume that forgot ckpt_path=last)."""
-    existing = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    existing = checkpoint_names(run_dir / "checkpoints")
     if existing:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints ({', '.join(existing)}); resume that run with ckpt_path=last, "
@@ -176,8 +181,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def run_summary(metrics: dict[str, float], ckpt_dir: Path, val_check_interval) -> str:
     """The end-of-run lines: the checkpoints that exist and the last validation, or why none ran."""
-    ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
-    lines = [f"Checkpoints: {ckpt_dir} ({', '.join(ckpts) or 'none'})"]
+    lines = [f"Checkpoints: {ckpt_dir} ({', '.join(checkpoint_names(ckpt_dir)) or 'none'})"]
     scores = [f"{k}={metrics[k]:.4f}" for k in ("val/loss", "val/ppl", "val/bpc") if k in metrics]
     if scores:
         lines.append(f"Final validation: {', '.join(scores)}")
