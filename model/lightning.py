@@ -7,6 +7,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 
 from model.config import ModelConfig
 from model.llama import Llama
@@ -40,6 +41,15 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def matmul_dtype(precision: str) -> torch.dtype:
+    """The dtype a Lightning `precision` setting runs the matmuls in ("bf16-mixed" -> bfloat16, ...)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float64 if precision.startswith("64") else torch.float32
 
 
 class LitLlama(L.LightningModule):
@@ -109,8 +119,8 @@ class LitLlama(L.LightningModule):
             return
         elapsed = now - self._time_since
         tokens_per_s = self._tokens_since * self.trainer.world_size / elapsed
-        if self._peak_flops is None:
-            self._peak_flops = measure_matmul_peak(self.device)
+        if self._peak_flops is None:  # the peak of the dtype the matmuls run in (bf16 under bf16-mixed)
+            self._peak_flops = measure_matmul_peak(self.device, matmul_dtype(self.trainer.precision))
         flops = self.model.flops_per_token(self.train_max_len or 0) * tokens_per_s
         self.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
         self.log("perf/mfu", flops / (self._peak_flops * self.trainer.world_size))
@@ -140,12 +150,28 @@ class LitLlama(L.LightningModule):
             {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        fused = self.device.type in ("cuda", "cpu")  # fused AdamW kernels exist for both
+        # Fused AdamW kernels exist for CUDA and CPU. Not under 16-mixed: its grad scaler must unscale the
+        # gradients before they are clipped, and a fused step unscales them itself, too late for that.
+        fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps, self.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Clip the global gradient norm where Lightning's default refuses to: under bf16-mixed with the
+        fused AdamW (it assumes a grad scaler that the fused step would unscale, but bf16 has none, so the
+        gradients are already the true ones) and under FSDP (whose shards only the FSDP module's own
+        `clip_grad_norm_` can sum into the global norm). Every other case takes Lightning's path."""
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            if isinstance(self.trainer.strategy, FSDPStrategy):
+                self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+                return
+            if self.trainer.precision == "bf16-mixed":
+                torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+                return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Plain data only: generate.py and scripts rebuild model + tokenizer from these alone.

@@ -9,9 +9,11 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from model.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
+from model.lightning import matmul_dtype
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 from train import build_logger, finish_wandb, run_summary, train
@@ -139,6 +141,39 @@ def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corp
         assert torch.equal(model_state_from_checkpoint(ckpt)[k], v), k
 
 
+def grad_norms_at_step(run) -> list[float]:
+    """Global gradient norm seen by every optimizer step (after clipping) while `run()` trains."""
+    norms = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    handle = register_optimizer_step_post_hook(record)  # grads stay until zero_grad
+    try:
+        run()
+    finally:
+        handle.remove()
+    return norms
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gradients_are_clipped_under_fp32_and_bf16_mixed(precision, tmp_path, corpus):
+    """bf16-mixed (trainer=gpu's precision) used to stop at the first step: Lightning refuses to clip
+    a fused AdamW's gradients under mixed precision, so the override in LitLlama must clip them.
+    (16-mixed cannot run here: Lightning turns it into bf16-mixed on CPU.)"""
+    steps = ["logger=none", "trainer.max_steps=3", f"trainer.precision={precision}"]
+    free = grad_norms_at_step(
+        lambda: run_train(tmp_path, corpus, *steps, "trainer.gradient_clip_val=0", name="free")
+    )
+    clip = min(free) / 4  # below every unclipped norm, so each step must be clipped
+    clipped = grad_norms_at_step(
+        lambda: run_train(tmp_path, corpus, *steps, f"trainer.gradient_clip_val={clip}", name="clipped")
+    )
+    assert len(free) == len(clipped) == 3
+    assert all(n == pytest.approx(clip, rel=1e-3) for n in clipped), (clip, clipped)
+
+
 def test_wandb_offline_writes_a_run_directory(tmp_path, corpus, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -223,3 +258,16 @@ def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
     build_logger(cfg, tmp_path, cfg)
     assert (tmp_path / "metrics.1.csv").read_text() == "step,train/loss\n1,5.0\n"
     assert not (tmp_path / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [
+        ("32-true", torch.float32),
+        ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16),
+        ("bf16-true", torch.bfloat16),
+    ],
+)
+def test_mfu_peak_is_measured_in_the_dtype_the_matmuls_run_in(precision, dtype):
+    assert matmul_dtype(precision) == dtype
