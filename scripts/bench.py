@@ -65,6 +65,7 @@ DEFAULTS = dict(
     warmup=2,
     peers=["transformers", "litgpt", "torchtune"],
     device="auto",
+    precision="auto",  # auto: bf16 on GPU, fp32 on CPU; bf16 on a CPU with AMX (bf16 matmuls ~6x fp32) is an option
     threads=None,
     quick=False,
     out="bench.json",
@@ -116,6 +117,8 @@ def check_args(args: dict) -> None:
         raise SystemExit(f"error: cannot create the directory of out={out}: {e.strerror}.") from None
     if not os.access(out.parent, os.W_OK):
         raise SystemExit(f"error: out={out} is not writable; choose another path.")
+    if args["precision"] != "auto" and args["precision"] not in PRECISIONS:
+        raise SystemExit(f"error: precision={args['precision']} is unknown; allowed are auto, fp32, bf16.")
 
 
 class Progress:
@@ -291,15 +294,20 @@ def ratios(values: dict) -> dict:
     return {side: values["ours"] / v for side, v in values.items() if side != "ours" and "ours" in values}
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on GPU (flash attention through SDPA); plain fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def peak_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def compute_dtype(args: dict, device: torch.device) -> torch.dtype:
+    """The dtype every side computes in: training autocasts to it, generation and the RoPE op run in
+    it, and the MFU is relative to its matmul peak. precision=auto: bf16 on GPU, fp32 on CPU."""
+    if args["precision"] == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return PRECISIONS[args["precision"]]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed-precision autocast to `dtype` (bf16: flash attention through SDPA on GPU); none for fp32."""
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- sections
@@ -323,7 +331,7 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
             return F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
 
         def step():
-            with autocast(device):
+            with autocast(device, compute_dtype(args, device)):
                 loss = loss_fn()
             loss.backward()
             opt.step()
@@ -378,7 +386,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     as the extra time of an N-token one, so the same method applies to every generate()."""
     P, N = args["prompt_len"], args["new_tokens"]
     models = build_models(cfg, peers, device, P + N, args["seed"])
-    models = {side: m.eval().to(peak_dtype(device)) for side, m in models.items()}
+    models = {side: m.eval().to(compute_dtype(args, device)) for side, m in models.items()}
     prompt = torch.randint(cfg.vocab_size, (P,), device=device)
     fns = generation_fns(models, prompt, args["compile_decode"])
 
@@ -390,7 +398,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     both = first.keys() & full.keys()
     prefill = {side: P / first[side] for side in both}
     decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
-    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=peak_dtype(device))
+    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=compute_dtype(args, device))
     return dict(
         prompt_len=P,
         new_tokens=N,
@@ -417,13 +425,12 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
     contexts, steps = args["contexts"], args["latency_steps"]
     block = max(1, min(args["latency_block"], steps))
     torch.manual_seed(args["seed"])
-    model = Llama(cfg).to(device).eval().to(peak_dtype(device))
+    dtype = compute_dtype(args, device)
+    model = Llama(cfg).to(device).eval().to(dtype)
     caches, decoders, tokens = {}, {}, {}
     for ctx in contexts:
         capacity = ctx + 1  # the prompt and the one slot every timed step writes
-        caches[ctx] = KVCache.for_model(
-            cfg, 1, capacity, device=device, dtype=peak_dtype(device), rope_seq_len=capacity
-        )
+        caches[ctx] = KVCache.for_model(cfg, 1, capacity, device=device, dtype=dtype, rope_seq_len=capacity)
         positions = torch.arange(capacity, device=device)[None]
         decoders[ctx] = DecodeStep(model, caches[ctx], positions, args["compile_decode"])
         logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
@@ -452,9 +459,10 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
     )
 
 
-def rope_fns(B: int, H: int, L: int, D: int, peers: dict, device) -> dict[str, Callable[[], None]]:
+def rope_fns(
+    B: int, H: int, L: int, D: int, peers: dict, device, dtype: torch.dtype
+) -> dict[str, Callable[[], None]]:
     """{side: fn}: forward + backward of RoPE on q and k of shape (B, H, L, D) (torchtune: (B, L, H, D))."""
-    dtype = peak_dtype(device)
     q, k = (torch.randn(B, H, L, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     cos, sin = RotaryEmbedding(D).to(device).cos_sin(None, dtype, seq_len=L)
@@ -489,14 +497,16 @@ def rope_fns(B: int, H: int, L: int, D: int, peers: dict, device) -> dict[str, C
 
 def bench_rope(args: dict, peers: dict, device) -> dict:
     B, H, L, D = args["rope_shape"]
-    seconds, errors = alternate(rope_fns(B, H, L, D, peers, device), args["repeats"], args["warmup"], device)
+    fns = rope_fns(B, H, L, D, peers, device, compute_dtype(args, device))
+    seconds, errors = alternate(fns, args["repeats"], args["warmup"], device)
     calls_per_s = {side: 1 / s for side, s in seconds.items()}
     return dict(shape_BHLD=[B, H, L, D], calls_per_s=calls_per_s, ratio=ratios(calls_per_s), errors=errors)
 
 
 def matmul_peak(args: dict, device) -> float:
     """Best achieved FLOP/s of a large square matmul (the MFU denominator), best of 3 measurements."""
-    return max(measure_matmul_peak(device, peak_dtype(device), n=args["matmul_n"]) for _ in range(3))
+    dtype = compute_dtype(args, device)
+    return max(measure_matmul_peak(device, dtype, n=args["matmul_n"]) for _ in range(3))
 
 
 # ----------------------------------------------------------------------------- report
@@ -598,6 +608,7 @@ def main(argv: list[str]) -> dict:
         shapes=list(args["shapes"]),
         peers=peers,
         peers_unavailable=unavailable,
+        dtype=str(compute_dtype(args, device)).removeprefix("torch."),  # what precision=auto resolved to
         note="Ratios are ours / peer of medians of interleaved runs; absolute numbers need a quiet machine.",
     )
     train_runs = [

@@ -8,13 +8,23 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
-def test_quick_bench_writes_every_section(tmp_path):
+@pytest.mark.parametrize("precision, dtype", [("auto", "float32"), ("bf16", "bfloat16")])  # auto on CPU: fp32
+def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "scripts/bench.py", "quick=true", "shapes=[tiny]", f"out={out}"],
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "quick=true",
+            "shapes=[tiny]",
+            f"precision={precision}",
+            f"out={out}",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -29,7 +39,7 @@ def test_quick_bench_writes_every_section(tmp_path):
     assert set(r["peers"]).isdisjoint(r["peers_unavailable"])
     assert all(why for why in r["peers_unavailable"].values())  # an unavailable peer says why
     assert all(diff < 1e-4 for diff in r["parity_max_abs_logit_diff"].values())  # same weights on every side
-    assert r["matmul_peak_flops"] > 0
+    assert r["matmul_peak_flops"] > 0 and r["dtype"] == dtype
 
     train = r["train"][0]
     assert train["shape"] == "tiny" and not train["compile"]
@@ -78,6 +88,7 @@ def test_bad_shape_or_output_fails_before_benchmarking(tmp_path):
     for args, message in [
         (["shapes=[tiny,smal]"], "unknown shapes ['smal']"),
         ([f"out={blocker}/bench.json"], "cannot create the directory"),
+        (["precision=fp16"], "precision=fp16 is unknown; allowed are auto, fp32, bf16"),
     ]:
         run = subprocess.run(
             [sys.executable, "scripts/bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
