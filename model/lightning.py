@@ -163,7 +163,8 @@ class LitLlama(L.LightningModule):
         """Clip the global gradient norm where Lightning's default refuses to: under bf16-mixed with the
         fused AdamW (it assumes a grad scaler that the fused step would unscale, but bf16 has none, so the
         gradients are already the true ones) and under FSDP (whose shards only the FSDP module's own
-        `clip_grad_norm_` can sum into the global norm). Every other case takes Lightning's path."""
+        `clip_grad_norm_` can sum into the global norm; Lightning issue #19235). Every other case takes
+        Lightning's path."""
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
             if isinstance(self.trainer.strategy, FSDPStrategy):
                 self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
