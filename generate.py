@@ -137,6 +137,7 @@ def run_sample(
         seed=cfg.seed,
         on_token=on_token,
         compile=cfg.compile,
+        native=cfg.native,
     )
     for row, (text, stream) in enumerate(zip(texts, streams)):
         rest = stream.finish()

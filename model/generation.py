@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from model.cpu_decode import NativeDecodeStep, NativeDecodeUnavailable
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
@@ -162,6 +163,7 @@ def generate(
     seed: int = 0,
     on_token: Callable[[int, int], bool] | None = None,
     compile: bool = False,
+    native: bool = False,
 ) -> Generation:
     """Prefill every prompt in one forward, then decode one token per step into a preallocated cache.
 
@@ -174,6 +176,8 @@ def generate(
         to stop that row (e.g. a stop string was completed). The row keeps the token.
     compile: decode through `torch.compile(model.decode_step)`: fixed shapes over the whole cache,
         built once per cache shape (seconds on a CPU), then about 1.5x faster per token.
+    native: decode through the C step of model/cpu_decode.c (one sequence, float32, CPU; built once
+        per machine in about a second): the fastest CPU path. Not together with compile.
     Generation ends when every row stopped or after max_new_tokens steps.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -182,6 +186,8 @@ def generate(
         raise GenerationError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}.")
     if start_pos < 0:
         raise GenerationError(f"start_pos must be a non-negative position, got {start_pos}.")
+    if compile and native:
+        raise GenerationError("compile and native are two decode paths; choose one of them.")
     device = model.embed.weight.device
     n, batch = max(map(len, prompts)), len(prompts)
     capacity = cache_capacity(n, max_new_tokens, cache_len)
@@ -199,7 +205,13 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
 
-    decode = DecodeStep(model, cache, position_ids, compile)
+    if native:
+        try:
+            decode = NativeDecodeStep(model, cache, position_ids)
+        except NativeDecodeUnavailable as e:
+            raise GenerationError(f"{e}") from None
+    else:
+        decode = DecodeStep(model, cache, position_ids, compile)
     untimed = 1 if compile else 0  # the first compiled step builds the graph: timed on its own
 
     t0 = time.perf_counter()

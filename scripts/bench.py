@@ -36,6 +36,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from model.config import ModelConfig
+from model.cpu_decode import NativeDecodeStep
 from model.generation import GREEDY, DecodeStep, generate
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.kv_cache import KVCache
@@ -53,7 +54,8 @@ DEFAULTS = dict(
     batch=16,
     seq_len=256,
     compile=True,  # also time torch.compile'd training steps (eager is always timed)
-    compile_decode=True,  # ours decodes through the compiled static-shape step (eager is timed beside it)
+    native_decode=True,  # ours decodes through the C step (model/cpu_decode.c) where it runs: CPU, fp32
+    compile_decode=True,  # and through the compiled static-shape step (eager is always timed beside them)
     prompt_len=32,
     new_tokens=256,
     contexts=[128, 512, 1024, 2048, 4096],
@@ -358,15 +360,34 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
     )
 
 
+DECODERS = {"native": dict(native=True), "compiled": dict(compile=True), "eager": {}}  # generate() kwargs
+
+
+def our_decoders(args: dict, device: torch.device) -> list[str]:
+    """Our decode paths to time, fastest first: the first is "ours" in the ratios and the targets,
+    the others are reported beside it as ours_<path>. The C step runs on the CPU in float32 only."""
+    native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) == torch.float32
+    return [p for p, wanted in [("native", native), ("compiled", args["compile_decode"])] if wanted] + [
+        "eager"
+    ]
+
+
+def our_side(decoders: list[str], path: str) -> str:
+    return "ours" if path == decoders[0] else f"ours_{path}"
+
+
 def generation_fns(
-    models: dict, prompt: torch.Tensor, compile_decode: bool
+    models: dict, prompt: torch.Tensor, decoders: list[str]
 ) -> dict[str, Callable[[int], object]]:
-    """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache.
-    With compile_decode, "ours" is the compiled decode step and "ours_eager" the eager one."""
+    """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache,
+    ours once per decode path (our_decoders)."""
     ours = models["ours"]
-    fns = {"ours": lambda n: generate(ours, [prompt.tolist()], n, GREEDY, compile=compile_decode)}
-    if compile_decode:
-        fns["ours_eager"] = lambda n: generate(ours, [prompt.tolist()], n, GREEDY)
+    fns = {
+        our_side(decoders, path): lambda n, kwargs=DECODERS[path]: generate(
+            ours, [prompt.tolist()], n, GREEDY, **kwargs
+        )
+        for path in decoders
+    }
     if "transformers" in models:
         hf = models["transformers"]
         fns["transformers"] = lambda n: hf.generate(
@@ -388,7 +409,8 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     models = build_models(cfg, peers, device, P + N, args["seed"])
     models = {side: m.eval().to(compute_dtype(args, device)) for side, m in models.items()}
     prompt = torch.randint(cfg.vocab_size, (P,), device=device)
-    fns = generation_fns(models, prompt, args["compile_decode"])
+    decoders = our_decoders(args, device)
+    fns = generation_fns(models, prompt, decoders)
 
     def timed(n):
         return {side: torch.inference_mode()(lambda f=f: f(n)) for side, f in fns.items()}
@@ -400,6 +422,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
     cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=compute_dtype(args, device))
     return dict(
+        decoders=decoders,  # decoders[0] is "ours"
         prompt_len=P,
         new_tokens=N,
         prefill_tokens_per_s=prefill,
@@ -416,46 +439,56 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
 
 @torch.inference_mode()
 def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
-    """Seconds per one-token step (ours, the decode step `generate` uses) with exactly `ctx` tokens
-    in the cache, for each context. The cache is rewound to `ctx` before every timed step, so each
-    one decodes at the same context. Contexts take turns in blocks of `latency_block` consecutive
-    steps: one context's consecutive steps are what a generation does (its cache stays warm from
-    step to step, where a step-by-step rotation over five caches evicts it), and the turns still
-    spread load drifts over all contexts."""
+    """Seconds per one-token step of each of our decode paths (our_decoders; the first is "ours")
+    with exactly `ctx` tokens in the cache, for each context. The cache is rewound to `ctx` before
+    every timed step, so each one decodes at the same context. Contexts (and paths) take turns in
+    blocks of `latency_block` consecutive steps: one context's consecutive steps are what a
+    generation does (its cache stays warm from step to step, where a step-by-step rotation over five
+    caches evicts it), and the turns still spread load drifts over all contexts."""
     contexts, steps = args["contexts"], args["latency_steps"]
     block = max(1, min(args["latency_block"], steps))
     torch.manual_seed(args["seed"])
     dtype = compute_dtype(args, device)
     model = Llama(cfg).to(device).eval().to(dtype)
-    caches, decoders, tokens = {}, {}, {}
+    paths = our_decoders(args, device)
+    caches, steppers, tokens = {}, {}, {}
     for ctx in contexts:
         capacity = ctx + 1  # the prompt and the one slot every timed step writes
         caches[ctx] = KVCache.for_model(cfg, 1, capacity, device=device, dtype=dtype, rope_seq_len=capacity)
         positions = torch.arange(capacity, device=device)[None]
-        decoders[ctx] = DecodeStep(model, caches[ctx], positions, args["compile_decode"])
+        for path in paths:  # every path writes the same slot of the same cache
+            steppers[ctx, path] = (
+                NativeDecodeStep(model, caches[ctx], positions)
+                if path == "native"
+                else DecodeStep(model, caches[ctx], positions, compile=path == "compiled")
+            )
         logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
         tokens[ctx] = logits[:, -1:].argmax(-1)
 
-    def step(ctx: int) -> None:
+    def step(ctx: int, path: str) -> None:
         caches[ctx].rewind(ctx)  # the step attends over exactly ctx cached tokens + itself
-        tokens[ctx] = decoders[ctx](tokens[ctx]).argmax(-1, keepdim=True)
+        tokens[ctx] = steppers[ctx, path](tokens[ctx]).argmax(-1, keepdim=True)
 
-    for ctx in contexts:  # one untimed step each: first-call allocations (and the compile)
-        step(ctx)
-    times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+    for key in steppers:  # one untimed step each: first-call allocations (and the compile)
+        step(*key)
+    times: dict[tuple, list[float]] = {key: [] for key in steppers}
     for _ in range(-(-steps // block)):
-        for ctx in contexts:
+        for key in steppers:
             for _ in range(block):
                 sync(device)
                 t0 = time.perf_counter()
-                step(ctx)
+                step(*key)
                 sync(device)
-                times[ctx].append(time.perf_counter() - t0)
-    seconds = {str(ctx): statistics.median(t) for ctx, t in times.items()}
+                times[key].append(time.perf_counter() - t0)
+    by_path = {path: {str(ctx): statistics.median(times[ctx, path]) for ctx in contexts} for path in paths}
+    growth = {path: s[str(max(contexts))] / s[str(min(contexts))] for path, s in by_path.items()}
     return dict(
-        seconds_per_token=seconds,
+        decoder=paths[0],
+        seconds_per_token=by_path[paths[0]],
         kv_cache_bytes={str(ctx): c.nbytes for ctx, c in caches.items()},
-        longest_over_shortest=seconds[str(max(contexts))] / seconds[str(min(contexts))],
+        longest_over_shortest=growth[paths[0]],
+        seconds_per_token_by_decoder=by_path,
+        longest_over_shortest_by_decoder=growth,
     )
 
 
@@ -573,9 +606,11 @@ def markdown(results: dict) -> str:
     rows(f"decode tok/s ({g['new_tokens']} new)", g["decode_tokens_per_s"], g["ratio_decode"])
     r = results["rope"]
     rows(f"RoPE fwd+bwd calls/s {tuple(r['shape_BHLD'])}", r["calls_per_s"], r["ratio"])
-    lat = results["decode_latency"]["seconds_per_token"]
-    lines += ["", "| context | ours ms / token |", "|---|---|"]
-    lines += [f"| {ctx} | {1000 * s:.2f} |" for ctx, s in lat.items()]
+    lat = results["decode_latency"]["seconds_per_token_by_decoder"]  # {path: {context: seconds}}
+    lines += ["", "| context | " + " | ".join(f"ours ({path}) ms / token" for path in lat) + " |"]
+    lines += ["|---|" + "---|" * len(lat)]
+    for ctx in next(iter(lat.values())):
+        lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s[ctx]:.2f}" for s in lat.values()) + " |")
     lines += ["", "| target | value | wanted | met |", "|---|---|---|---|"]
     for t in results["targets"]:
         met = "not measured" if t["met"] is None else "yes" if t["met"] else "no"

@@ -54,7 +54,13 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     for peer, ratio in gen["ratio_decode"].items():
         assert math.isclose(ratio, gen["decode_tokens_per_s"]["ours"] / gen["decode_tokens_per_s"][peer])
 
+    # ours decodes through the C step where it runs (CPU, float32), the eager loop beside it
+    decoders = ["native", "eager"] if dtype == "float32" else ["eager"]
+    assert gen["decoders"] == decoders
+    assert set(gen["decode_tokens_per_s"]) >= {"ours", *(f"ours_{path}" for path in decoders[1:])}
     latency = r["decode_latency"]
+    assert latency["decoder"] == decoders[0] and list(latency["seconds_per_token_by_decoder"]) == decoders
+    assert latency["seconds_per_token"] == latency["seconds_per_token_by_decoder"][decoders[0]]
     assert list(latency["seconds_per_token"]) == ["16", "64"]
     assert all(s > 0 for s in latency["seconds_per_token"].values())
     assert latency["kv_cache_bytes"]["64"] > latency["kv_cache_bytes"]["16"]

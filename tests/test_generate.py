@@ -149,6 +149,98 @@ def test_compiled_decode_uses_each_models_own_weights(model, tok):
     assert first == generate(model, [prompt], 20, GREEDY).tokens and first != second
 
 
+NATIVE_ROPES = {  # every RoPE setting the C step must reproduce (it reads only the cos/sin tables)
+    "none": RopeConfig(original_max_len=L0),
+    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),  # attention factor in cos/sin
+    "dynamic_ntk": RopeConfig(scaling="dynamic_ntk", factor=2.0, original_max_len=L0),
+    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
+    "partial": RopeConfig(rotary_dim=8, original_max_len=L0),
+}
+
+
+def native_logits(model: Llama, prompt: list[int], steps: int, start_pos: int) -> tuple[list, list]:
+    """Greedy decode through the C step: (per-step logits, the full forward's logits at the same spots).
+    The full forward runs into a fresh cache only to keep dynamic NTK's length fixed, as generate does."""
+    from model.cpu_decode import NativeDecodeStep
+
+    capacity = len(prompt) + steps
+    cache = KVCache.for_model(model.config, 1, capacity, rope_seq_len=start_pos + capacity)
+    positions = torch.arange(start_pos, start_pos + capacity)[None]
+    seq = torch.tensor([prompt])
+    with torch.inference_mode():
+        token = model(seq, position_ids=positions[:, : len(prompt)], kv_cache=cache)[:, -1:].argmax(-1)
+        step = NativeDecodeStep(model, cache, positions)
+        native, full = [], []
+        for _ in range(steps):
+            seq = torch.cat([seq, token], dim=1)
+            native.append(step(token)[0])
+            fresh = KVCache.for_model(model.config, 1, seq.shape[1], rope_seq_len=cache.rope_seq_len)
+            full.append(model(seq, position_ids=positions[:, : seq.shape[1]], kv_cache=fresh)[0, -1])
+            token = native[-1].argmax()[None, None]
+    return native, full
+
+
+@pytest.mark.parametrize("rope", list(NATIVE_ROPES))
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query and multi-head attention
+def test_native_decode_equals_the_full_forward(tok, rope, kv_heads):
+    """The C decode step (model/cpu_decode.c) against the torch forward over the whole sequence, at
+    every step, for each RoPE setting, GQA and MHA, positions past the training length included."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        init_std=0.3,
+        rope=NATIVE_ROPES[rope],
+    )
+    model = Llama(cfg).eval()
+    native, full = native_logits(model, prompt_ids(tok, "ROMEO: But soft"), 24, start_pos=40)
+    for step, (a, b) in enumerate(zip(native, full)):  # logits reach ~10: float32 sums differ by ~1e-5
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5, msg=f"step {step}")
+        assert a.argmax() == b.argmax(), step
+
+
+def test_native_generate_equals_eager_and_threads_agree(model, tok):
+    """generate(native=True) picks the eager loop's greedy tokens; with 1 or 2 threads the C step
+    gives bit-identical logits (each output row is summed by one thread)."""
+    prompt = prompt_ids(tok, "JULIET: O Romeo")
+    eager = generate(model, [prompt], 30, GREEDY, start_pos=5).tokens
+    assert generate(model, [prompt], 30, GREEDY, start_pos=5, native=True).tokens == eager
+    one_thread, _ = native_logits(model, prompt, 8, start_pos=0)
+    torch.set_num_threads(2)
+    try:
+        two_threads, _ = native_logits(model, prompt, 8, start_pos=0)
+    finally:
+        torch.set_num_threads(1)
+    assert all(torch.equal(a, b) for a, b in zip(one_thread, two_threads))
+
+
+def test_native_decode_refuses_what_it_cannot_compute(model, tok):
+    prompt = prompt_ids(tok, "ROMEO:")
+    for kwargs, message in [
+        (dict(prompts=[prompt, prompt]), "runs one sequence; got a batch of 2"),
+        (dict(compile=True), "choose one of them"),
+        (dict(model=copy.deepcopy(model).to(torch.bfloat16)), "runs in float32"),
+    ]:
+        args = dict(model=model, prompts=[prompt], max_new_tokens=4, sampling=GREEDY, native=True) | kwargs
+        with pytest.raises(GenerationError, match=message):
+            generate(**args)
+
+
+def test_native_build_errors_are_one_sentence_and_leave_no_library(tmp_path, monkeypatch):
+    from model.cpu_decode import NativeDecodeUnavailable, build, c_compiler
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(NativeDecodeUnavailable, match="'no-such-compiler' was not found"):
+        c_compiler()
+    target = tmp_path / "cpu_decode.so"
+    with pytest.raises(NativeDecodeUnavailable, match="compiling cpu_decode.c with .*false failed"):
+        build("false", target)  # a "compiler" that always fails
+    assert list(tmp_path.iterdir()) == []  # no partial library, no temporary directory left
+
+
 @pytest.mark.parametrize("start_pos", [0, 7])
 def test_left_padded_batch_equals_each_prompt_alone(model, tok, start_pos):
     texts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "But soft, what"]
@@ -475,6 +567,8 @@ def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
     )  # a string, not a list
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
     code, out, _ = run_main(args + ["compile=true"], monkeypatch, capsys)  # the compiled decode step
+    assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
+    code, out, _ = run_main(args + ["native=true"], monkeypatch, capsys)  # the C decode step
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
 
 

@@ -1,0 +1,167 @@
+/* One decode step of model/llama.py's Llama for ONE sequence, float32, on the CPU.
+ *
+ * Why C: a batch-1 decode step is bound by reading the weights (16 MiB for the default model), and
+ * the torch / torch.compile step spends about as long again between its ~40 kernels, each with its
+ * own thread fork and join. Here the whole step is one OpenMP parallel region: the threads split
+ * every matrix-vector product by rows and meet at a barrier between operations. The maths is the
+ * model's, line for line (RMSNorm, fused qkv, RoPE, GQA attention, SwiGLU, tied head); tests check
+ * it against the torch forward (tests/test_generate.py). model/cpu_decode.py builds and calls it.
+ *
+ * Shapes: C = d_model, H / KV = query / key-value heads, D = head_dim, F = ffn_hidden, V = vocab,
+ * R = rotary dims (<= D). Weights are row-major torch tensors: qkv (H*D + 2*KV*D, C), o_proj
+ * (C, H*D), gate_up (2F, C), down (C, F), embed / head (V, C). The cache of each layer is the
+ * (1, KV, capacity, D) tensor of model/kv_cache.py; keys are stored after rotation.
+ */
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    int n_layers, d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab, rotary_dim, interleaved,
+        capacity, n_threads;
+    float eps;
+    const float *embed, *head, *final_norm;
+    const float **attn_norm, **qkv, **o_proj, **mlp_norm, **gate_up, **down; /* [n_layers] */
+    float **k_cache, **v_cache;                                             /* [n_layers] */
+    float *x, *xn, *qkv_out, *attn, *ffn, *hidden, *scores; /* scratch: C, C, (H+2KV)*D, H*D, 2F, F, H*capacity */
+} Model;
+
+/* y (n) = W (n, k) @ x (k), or y += W @ x: rows split over the threads (inside a parallel region). */
+static void matvec(const float *restrict W, const float *restrict x, float *restrict y, int n, int k,
+                   int accumulate) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) {
+        const float *w = W + (size_t)i * k;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int j = 0; j < k; j++) acc += w[j] * x[j];
+        y[i] = accumulate ? y[i] + acc : acc;
+    }
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight (nn.RMSNorm); d_model floats, one thread. */
+static void rmsnorm(const float *x, const float *weight, float *out, int n, float eps) {
+    float sum_sq = 0.f;
+    for (int i = 0; i < n; i++) sum_sq += x[i] * x[i];
+    const float rstd = 1.f / sqrtf(sum_sq / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * rstd * weight[i];
+}
+
+/* Rotate the first R channels of one head: x * cos + rotate(x) * sin, with rotate_half (-x2, x1)
+ * or, interleaved, rotate_pairs (-x1, x0, -x3, x2, ...) as in model/rope.py. */
+static void rope(float *v, const float *cos, const float *sin, int rotary_dim, int interleaved) {
+    const int pair = interleaved ? 1 : rotary_dim / 2; /* distance between the two rotated channels */
+    const int step = interleaved ? 2 : 1;
+    const int count = interleaved ? rotary_dim : rotary_dim / 2;
+    for (int i = 0; i < count; i += step) {
+        const float a = v[i], b = v[i + pair];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + pair] = b * cos[i + pair] + a * sin[i + pair];
+    }
+}
+
+/* exp(x) for the x <= 0 of a softmax after its max is subtracted, in a form the compiler vectorizes
+ * (libm's expf is a call per element, 7x slower here): x = k ln2 + r with k an integer and |r| <= ln2/2
+ * (ln 2 split in two, so k * hi is exact: Cody-Waite), exp(r) from its Taylor series to degree 7, and
+ * 2^k written into a float's exponent bits. Relative error < 1e-7, i.e. within a float ulp. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x; /* exp(-87) ~ 1.6e-38: 2^k stays a normal float */
+    const float k = nearbyintf(x * 1.44269504f);
+    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-6f;
+    float p = 1.f / 5040; /* 1/7!, then Horner down to 1/0! */
+    p = p * r + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int bits = ((int)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The `group` query heads of one KV head (GQA) over its n cached keys: softmax(q k^T / sqrt(D)) v.
+ * q, out: (group, D); keys, values: (n, D); scores: (group, stride). Each key and value row is read
+ * once for the whole group. */
+static void attend(const float *q, const float *keys, const float *values, float *scores, float *out,
+                   int group, int n, int head_dim, int stride) {
+    const float scale = 1.f / sqrtf((float)head_dim);
+    for (int j = 0; j < n; j++) {
+        const float *k = keys + (size_t)j * head_dim;
+        for (int a = 0; a < group; a++) {
+            const float *qa = q + a * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < head_dim; d++) dot += qa[d] * k[d];
+            scores[(size_t)a * stride + j] = dot * scale;
+        }
+    }
+    for (int a = 0; a < group; a++) { /* softmax of each head's row, normalised into the values below */
+        float *s = scores + (size_t)a * stride, max_score = -INFINITY, total = 0.f;
+#pragma omp simd reduction(max : max_score)
+        for (int j = 0; j < n; j++) max_score = s[j] > max_score ? s[j] : max_score;
+#pragma omp simd reduction(+ : total)
+        for (int j = 0; j < n; j++) total += (s[j] = exp_nonpositive(s[j] - max_score));
+        const float inv_total = 1.f / total;
+#pragma omp simd
+        for (int j = 0; j < n; j++) s[j] *= inv_total;
+    }
+    memset(out, 0, sizeof(float) * group * head_dim);
+    for (int j = 0; j < n; j++) {
+        const float *v = values + (size_t)j * head_dim;
+        for (int a = 0; a < group; a++) {
+            const float p = scores[(size_t)a * stride + j];
+            float *oa = out + a * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) oa[d] += p * v[d];
+        }
+    }
+}
+
+/* Embed `token`, write its rotated key and value at cache `slot`, attend over slots 0..slot, and
+ * write the next-token logits (V floats). cos / sin: the R-float rows of the token's position. */
+void decode_step(const Model *m, int token, int slot, const float *cos, const float *sin, float *logits) {
+    const int C = m->d_model, H = m->n_heads, KV = m->n_kv_heads, D = m->head_dim, F = m->ffn_hidden;
+    const int group = H / KV; /* query heads per KV head */
+    memcpy(m->x, m->embed + (size_t)token * C, sizeof(float) * C);
+#pragma omp parallel num_threads(m->n_threads)
+    {
+        for (int layer = 0; layer < m->n_layers; layer++) {
+            float *k_cache = m->k_cache[layer], *v_cache = m->v_cache[layer];
+#pragma omp single
+            rmsnorm(m->x, m->attn_norm[layer], m->xn, C, m->eps); /* (each construct ends in a barrier) */
+            matvec(m->qkv[layer], m->xn, m->qkv_out, (H + 2 * KV) * D, C, 0);
+#pragma omp single
+            {
+                for (int h = 0; h < H + KV; h++) /* the query heads, then the key heads */
+                    rope(m->qkv_out + h * D, cos, sin, m->rotary_dim, m->interleaved);
+                for (int g = 0; g < KV; g++) {
+                    const size_t at = ((size_t)g * m->capacity + slot) * D;
+                    memcpy(k_cache + at, m->qkv_out + (H + g) * D, sizeof(float) * D);
+                    memcpy(v_cache + at, m->qkv_out + (H + KV + g) * D, sizeof(float) * D);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int g = 0; g < KV; g++) { /* query heads g*group .. (g+1)*group - 1 share KV head g */
+                const size_t kv = (size_t)g * m->capacity * D;
+                attend(m->qkv_out + g * group * D, k_cache + kv, v_cache + kv,
+                       m->scores + (size_t)g * group * m->capacity, m->attn + g * group * D, group, slot + 1, D,
+                       m->capacity);
+            }
+            matvec(m->o_proj[layer], m->attn, m->x, C, H * D, 1); /* residual: x += o_proj(attn) */
+#pragma omp single
+            rmsnorm(m->x, m->mlp_norm[layer], m->xn, C, m->eps);
+            matvec(m->gate_up[layer], m->xn, m->ffn, 2 * F, C, 0);
+#pragma omp for schedule(static)
+            for (int i = 0; i < F; i++) { /* SwiGLU: silu(gate) * up */
+                const float gate = m->ffn[i];
+                m->hidden[i] = gate / (1.f + expf(-gate)) * m->ffn[F + i];
+            }
+            matvec(m->down[layer], m->hidden, m->x, C, F, 1); /* residual: x += down(hidden) */
+        }
+#pragma omp single
+        rmsnorm(m->x, m->final_norm, m->xn, C, m->eps);
+        matvec(m->head, m->xn, logits, m->vocab, C, 0);
+    }
+}
