@@ -14,6 +14,9 @@
  */
 #include <math.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     int n_layers, d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab, rotary_dim, interleaved,
@@ -81,13 +84,49 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#ifdef __AVX512F__
+/* q . k for 16 consecutive keys (head_dim a multiple of 16) -> the 16 dot products in key order.
+ * Summing each key's vector across its lanes one key at a time costs more than the products; here
+ * the 16 vectors are added in a transposing tree (pairs of lanes, of 64-bit halves, of 128-bit
+ * blocks), about 3 instructions per key. */
+static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
+    __m512 v[16], w[8], x[4], z[2];
+    for (int i = 0; i < 16; i++) {
+        const float *k = keys + (size_t)i * head_dim;
+        v[i] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (int d = 16; d < head_dim; d += 16)
+            v[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), v[i]);
+    }
+    for (int i = 0; i < 8; i++) /* per 128-bit block: lanes of keys 2i, 2i+1 interleaved */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit block: one partial sum each of keys 4i .. 4i+3 */
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* blocks 0+1 and 2+3 of keys 8i .. 8i+3, then of 8i+4 .. 8i+7 */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+#endif
+
 /* The `group` query heads of one KV head (GQA) over its n cached keys: softmax(q k^T / sqrt(D)) v.
  * q, out: (group, D); keys, values: (n, D); scores: (group, stride). Each key and value row is read
  * once for the whole group. */
 static void attend(const float *q, const float *keys, const float *values, float *scores, float *out,
                    int group, int n, int head_dim, int stride) {
     const float scale = 1.f / sqrtf((float)head_dim);
-    for (int j = 0; j < n; j++) {
+    int j = 0;
+#ifdef __AVX512F__
+    if (head_dim % 16 == 0)
+        for (; j + 16 <= n; j += 16)
+            for (int a = 0; a < group; a++)
+                _mm512_storeu_ps(scores + (size_t)a * stride + j,
+                                 _mm512_mul_ps(dot16(q + a * head_dim, keys + (size_t)j * head_dim, head_dim),
+                                               _mm512_set1_ps(scale)));
+#endif
+    for (; j < n; j++) { /* the keys left over (all of them without AVX-512) */
         const float *k = keys + (size_t)j * head_dim;
         for (int a = 0; a < group; a++) {
             const float *qa = q + a * head_dim;
