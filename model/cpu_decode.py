@@ -49,8 +49,15 @@ def c_compiler() -> str:
 
 def build(compiler: str, target: Path) -> None:
     """Compile SOURCE into `target`, atomically: a concurrent process sees the whole library or none."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        workdir = tempfile.TemporaryDirectory(dir=target.parent)
+    except OSError as e:
+        raise NativeDecodeUnavailable(
+            f"cannot write the compiled decode step to {target.parent}: {e.strerror}; "
+            "set XDG_CACHE_HOME to a writable directory."
+        ) from None
+    with workdir as tmp:
         out = Path(tmp) / target.name
         for flags in (FLAGS + WIDE_VECTORS, FLAGS):
             run = subprocess.run(

@@ -239,6 +239,10 @@ def test_native_build_errors_are_one_sentence_and_leave_no_library(tmp_path, mon
     with pytest.raises(NativeDecodeUnavailable, match="compiling cpu_decode.c with .*false failed"):
         build("false", target)  # a "compiler" that always fails
     assert list(tmp_path.iterdir()) == []  # no partial library, no temporary directory left
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(NativeDecodeUnavailable, match="set XDG_CACHE_HOME to a writable directory"):
+        build("cc", blocker / "cpu_decode.so")  # its directory cannot be created
 
 
 @pytest.mark.parametrize("start_pos", [0, 7])
