@@ -5,9 +5,10 @@ float32, on the CPU. The prompt still goes through the torch forward, which fill
 the C step then reads and extends. Why C: model/cpu_decode.c, first comment.
 
 The library is compiled with the system's C compiler (`$CC`, else `cc`) and OpenMP, for this CPU
-(-march=native), into ~/.cache/rope-llama/ (or $XDG_CACHE_HOME) under a name hashed from the source
-and the flags, so an edited source builds anew and a finished library is never rebuilt. It links
-the libgomp torch has already loaded, so both share one thread pool.
+(-march=native), into ~/.cache/rope-llama/ (or $XDG_CACHE_HOME) under a name hashed from the source,
+the flags, the compiler and the CPU's features, so an edited source or another CPU (a home
+directory shared by a cluster's nodes) builds anew and a finished library is never rebuilt. It
+links the libgomp torch has already loaded, so both share one thread pool.
 """
 
 from __future__ import annotations
@@ -100,12 +101,21 @@ class _Model(ctypes.Structure):
     ]
 
 
+def cpu_features() -> str:
+    """The CPU's feature flags (Linux), else its name: part of the library's cache key, since
+    -march=native code built on one CPU may crash on another sharing the same home directory."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = [line for line in lines if line.startswith(("flags", "Features"))]
+    return flags[0] if flags else platform.processor()
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled C step, built on first use (about a second) and loaded once per process."""
     compiler = c_compiler()
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode()])).hexdigest()[:16]
+    key = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), cpu_features().encode()]
+    tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
     target = cache_dir() / f"cpu_decode-{platform.machine()}-{tag}.so"
     if not target.exists():
         build(compiler, target)

@@ -581,3 +581,16 @@ def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
     code, _, err = run_main([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
     assert code != 0 and "Could not find 'rope/warp'" in err and "yarn" in err
     assert "Traceback" not in err
+
+
+def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
+    """-march=native code from one CPU can crash another: a CPU with other features builds its own."""
+    import model.cpu_decode as cpu_decode
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for features in ("flags: fpu avx2", "flags: fpu avx2 avx512f"):
+        monkeypatch.setattr(cpu_decode, "cpu_features", lambda features=features: features)
+        cpu_decode.library.cache_clear()  # functools.cache: one library per process otherwise
+        cpu_decode.library()
+    cpu_decode.library.cache_clear()
+    assert len(list((tmp_path / "rope-llama").glob("cpu_decode-*.so"))) == 2
