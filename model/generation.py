@@ -209,7 +209,7 @@ def generate(
         try:
             decode = NativeDecodeStep(model, cache, position_ids)
         except NativeDecodeUnavailable as e:
-            raise GenerationError(f"{e}") from None
+            raise GenerationError(str(e)) from None
     else:
         decode = DecodeStep(model, cache, position_ids, compile)
     untimed = 1 if compile else 0  # the first compiled step builds the graph: timed on its own

@@ -367,9 +367,7 @@ def our_decoders(args: dict, device: torch.device) -> list[str]:
     """Our decode paths to time, fastest first: the first is "ours" in the ratios and the targets,
     the others are reported beside it as ours_<path>. The C step runs on the CPU in float32 only."""
     native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) == torch.float32
-    return [p for p, wanted in [("native", native), ("compiled", args["compile_decode"])] if wanted] + [
-        "eager"
-    ]
+    return ["native"] * native + ["compiled"] * bool(args["compile_decode"]) + ["eager"]
 
 
 def our_side(decoders: list[str], path: str) -> str:
