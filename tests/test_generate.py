@@ -2,6 +2,7 @@
 
 import copy
 import os
+import platform
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -594,3 +595,20 @@ def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
         cpu_decode.library()
     cpu_decode.library.cache_clear()
     assert len(list((tmp_path / "rope-llama").glob("cpu_decode-*.so"))) == 2
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path):
+    """CPUs without AVX-512 (and other compilers) take the C step's portable loops: built here with
+    AVX-512 switched off, they must match the full forward as the AVX-512 build does."""
+    import model.cpu_decode as cpu_decode
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, "-mno-avx512f"])
+    cpu_decode.library.cache_clear()
+    try:
+        native, full = native_logits(tiny(tok.vocab_size), prompt_ids(tok, "ROMEO: But soft"), 24, 40)
+    finally:
+        cpu_decode.library.cache_clear()  # later tests load the regular build again
+    for step, (a, b) in enumerate(zip(native, full)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5, msg=f"step {step}")
