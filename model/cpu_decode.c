@@ -102,7 +102,8 @@ static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; i++) { /* per 128-bit block: one partial sum each of keys 4i .. 4i+3 */
         const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
     for (int i = 0; i < 2; i++) /* blocks 0+1 and 2+3 of keys 8i .. 8i+3, then of 8i+4 .. 8i+7 */
         z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
@@ -112,8 +113,8 @@ static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
 #endif
 
 /* The `group` query heads of one KV head (GQA) over its n cached keys: softmax(q k^T / sqrt(D)) v.
- * q, out: (group, D); keys, values: (n, D); scores: (group, stride). Each key and value row is read
- * once for the whole group. */
+ * q, out: (group, D); keys, values: (n, D); scores: (group, stride). Each key and value row comes
+ * from memory once for the whole group. */
 static void attend(const float *q, const float *keys, const float *values, float *scores, float *out,
                    int group, int n, int head_dim, int stride) {
     const float scale = 1.f / sqrtf((float)head_dim);
