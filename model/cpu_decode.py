@@ -155,11 +155,9 @@ class NativeDecodeStep:
         check_supported(model, cache)
         self.lib, self.cache = library(), cache
         cfg, blocks = model.config, model.blocks
-        cos, sin = model.rope.cos_sin(
-            position_ids, torch.float32, seq_len=cache.rope_seq_len
-        )  # (1, slots, R)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (slots, R)
-        eps = blocks[0].attn_norm.eps
+        # cos/sin of every slot's position, (1, slots, R) -> (slots, R)
+        cos, sin = model.rope.cos_sin(position_ids, torch.float32, seq_len=cache.rope_seq_len)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         scratch = {
             "x": cfg.d_model,
             "xn": cfg.d_model,
@@ -188,7 +186,7 @@ class NativeDecodeStep:
             interleaved=int(cfg.rope.layout != "half"),
             capacity=cache.capacity,
             n_threads=torch.get_num_threads(),  # the same thread count torch uses
-            eps=torch.finfo(torch.float32).eps if eps is None else eps,  # nn.RMSNorm's default for None
+            eps=blocks[0].attn_norm.eps_for(torch.float32),  # every norm of the model has the same eps
             embed=model.embed.weight.data_ptr(),
             head=model.lm_head.weight.data_ptr(),
             final_norm=model.norm.weight.data_ptr(),

@@ -132,11 +132,14 @@ class RMSNorm(nn.RMSNorm):
     follow (rope.needs_custom_backward); otherwise torch's own op, which inductor fuses and which
     without autograd is cheaper than _RMSNorm.apply (9 against 17 us per call at decode size)."""
 
+    def eps_for(self, dtype: torch.dtype) -> float:
+        """The epsilon used for inputs of `dtype`: nn.RMSNorm's default (the dtype's eps) for None."""
+        return torch.finfo(dtype).eps if self.eps is None else self.eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not needs_custom_backward(x, self.weight):
             return super().forward(x)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
-        return _RMSNorm.apply(x, self.weight, eps)
+        return _RMSNorm.apply(x, self.weight, self.eps_for(x.dtype))
 
 
 class SwiGLU(nn.Module):

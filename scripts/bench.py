@@ -321,6 +321,7 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
     models = build_models(cfg, peers, device, L, args["seed"])
     idx = torch.randint(cfg.vocab_size, (B, L + 1), device=device)
     inputs, targets = idx[:, :-1], idx[:, 1:]
+    dtype = compute_dtype(args, device)  # resolved once, outside the timed steps
 
     def step_fn(side, model):
         model.train()
@@ -333,7 +334,7 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
             return F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
 
         def step():
-            with autocast(device, compute_dtype(args, device)):
+            with autocast(device, dtype):
                 loss = loss_fn()
             loss.backward()
             opt.step()
@@ -404,8 +405,9 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     """Prefill and decode tokens/s. Each side's prefill is timed as a 1-token generation, and decode
     as the extra time of an N-token one, so the same method applies to every generate()."""
     P, N = args["prompt_len"], args["new_tokens"]
+    dtype = compute_dtype(args, device)
     models = build_models(cfg, peers, device, P + N, args["seed"])
-    models = {side: m.eval().to(compute_dtype(args, device)) for side, m in models.items()}
+    models = {side: m.eval().to(dtype) for side, m in models.items()}
     prompt = torch.randint(cfg.vocab_size, (P,), device=device)
     decoders = our_decoders(args, device)
     fns = generation_fns(models, prompt, decoders)
@@ -418,7 +420,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
     both = first.keys() & full.keys()
     prefill = {side: P / first[side] for side in both}
     decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
-    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=compute_dtype(args, device))
+    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=dtype)
     return dict(
         decoders=decoders,  # decoders[0] is "ours"
         prompt_len=P,
