@@ -158,22 +158,65 @@ def test_cache_layout_and_reuse_without_tokenizing(tmp_path, monkeypatch):
     assert np.array_equal(second.tokens("train"), first.tokens("train"))
 
 
-@pytest.mark.parametrize("damage", ["truncate_bin", "edit_meta"])
-def test_cache_corruption_is_detected_and_rebuilt(tmp_path, capsys, damage):
+def _overwrite(path: str, offset: int, data: bytes) -> None:
+    """Write `data` over `path` at `offset` in place: the file keeps its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _garbage(damage: str, n: int) -> bytes:
+    return np.random.default_rng(0).bytes(n) if damage == "random_bytes" else bytes(n)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("truncate_bin", "train.bin is missing or is not"),
+        ("edit_meta", "val.bin is missing or is not"),
+        ("random_bytes", "train.bin does not match its content hash"),
+        ("zeros", "train.bin does not match its content hash"),
+    ],
+)
+def test_cache_corruption_is_detected_and_rebuilt(tmp_path, capsys, damage, reason):
     source, root = _small_source(tmp_path), str(tmp_path / "cache")
     good = prepare(source, VOCAB, cache_root=root)
     expected = np.array(good.tokens("train"))
+    train_bin = os.path.join(good.dir, "train.bin")
     if damage == "truncate_bin":
-        with open(os.path.join(good.dir, "train.bin"), "r+b") as f:
+        with open(train_bin, "r+b") as f:
             f.truncate(os.path.getsize(f.name) - 2)
-    else:
+    elif damage == "edit_meta":
         meta_path = os.path.join(good.dir, "meta.json")
         meta = json.load(open(meta_path))
         meta["splits"]["val"]["tokens"] += 1
         json.dump(meta, open(meta_path, "w"))
+    else:
+        _overwrite(train_bin, expected.nbytes // 2, _garbage(damage, 64))
+        assert os.path.getsize(train_bin) == expected.nbytes
     capsys.readouterr()
     rebuilt = prepare(source, VOCAB, cache_root=root)
-    assert rebuilt.built and "rebuilding" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rebuilt.built and f"not valid ({reason}" in out and "rebuilding" in out
+    assert np.array_equal(rebuilt.tokens("train"), expected)
+
+
+def test_token_id_outside_the_vocabulary_is_refused_even_with_a_matching_hash(tmp_path, capsys):
+    source, root = _small_source(tmp_path), str(tmp_path / "cache")
+    good = prepare(source, VOCAB, cache_root=root)
+    expected = np.array(good.tokens("train"))
+    train_bin, meta_path = os.path.join(good.dir, "train.bin"), os.path.join(good.dir, "meta.json")
+    _overwrite(train_bin, len(expected) // 2 * good.dtype.itemsize, np.array([VOCAB], good.dtype).tobytes())
+    meta = json.load(open(meta_path))
+    meta["splits"]["train"]["xxh3_64"] = cache_mod.scan_tokens(train_bin, good.dtype)[0]  # forge the hash
+    json.dump(meta, open(meta_path, "w"))
+    capsys.readouterr()
+    rebuilt = prepare(source, VOCAB, cache_root=root)
+    out = capsys.readouterr().out
+    assert (
+        rebuilt.built
+        and f"train.bin holds token id {VOCAB}, outside the tokenizer's vocabulary of {VOCAB}" in out
+    )
     assert np.array_equal(rebuilt.tokens("train"), expected)
 
 
@@ -311,14 +354,11 @@ def test_max_len_longer_than_train_split_raises(tmp_path):
 def _dm(tmp_path, **kw):
     from data import TextDataModule
 
-    args = dict(
-        source=_small_source(tmp_path),
-        max_len=32,
-        batch_size=4,
-        vocab_size=VOCAB,
-        cache_dir=str(tmp_path / "c"),
+    if "source" not in kw:  # writing the corpus again changes its mtimes, hence the cache key
+        kw["source"] = _small_source(tmp_path)
+    dm = TextDataModule(
+        **{"max_len": 32, "batch_size": 4, "vocab_size": VOCAB, "cache_dir": str(tmp_path / "c"), **kw}
     )
-    dm = TextDataModule(**{**args, **kw})
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -426,6 +466,16 @@ def test_resume_from_checkpoint_sees_the_same_batches(tmp_path):
     resumed = _fit(_dm(tmp_path), total, ckpt_path=ckpt)
     assert len(uninterrupted) == total and len(resumed) == total - cut
     assert all(torch.equal(a, b) for a, b in zip(first + resumed, uninterrupted))
+
+
+@pytest.mark.parametrize("damage", ["random_bytes", "zeros"])
+def test_training_on_a_corrupted_cache_rebuilds_it_and_sees_the_clean_batches(tmp_path, damage):
+    dm = _dm(tmp_path)
+    clean = _fit(dm, 2)
+    train_bin = os.path.join(dm.cache.dir, "train.bin")
+    _overwrite(train_bin, 0, _garbage(damage, os.path.getsize(train_bin)))
+    after = _fit(_dm(tmp_path, source=dm.source), 2)
+    assert len(after) == len(clean) == 2 and all(torch.equal(a, b) for a, b in zip(after, clean))
 
 
 def test_hydra_configs_instantiate_and_full_shakespeare_prepares_in_budget(tmp_path, capsys):
