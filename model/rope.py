@@ -1,9 +1,10 @@
 """Rotary position embeddings (RoPE) with every common context-extension scaling.
 
 One `RotaryEmbedding` per model, shared by all attention layers. It owns a lazily built
-cos/sin cache that grows (at least doubling) with the largest position requested and is
-rebuilt when the device changes. Angles are always computed in float32, also under
-autocast; tables are cast to the activation dtype only when they are used.
+cos/sin cache that grows (at least doubling) with the largest position requested, up to
+TABLE_MAX_POSITIONS, and is rebuilt when the device changes; farther positions are computed
+directly for the ids requested. Angles are formed in float64 (`rope_cos_sin`, also under
+autocast) and stored as float32; tables are cast to the activation dtype only when they are used.
 
 Each scaling method is a small pure function on the inverse frequencies; `rope_frequencies`
 is the single place that chooses between them. Formulas:
@@ -41,6 +42,13 @@ class RopeScaling(StrEnum):
 
 SCALINGS = tuple(s.value for s in RopeScaling)
 LAYOUTS = ("half", "interleaved")
+
+# Positions the shared cos/sin table covers at most; farther ones are computed for the ids asked.
+# 2^16 is 16x the longest length the scripts evaluate, and bounds the table (cos and sin, float32)
+# to 2^16 * rotary_dim * 2 * 4 bytes: 32 MiB at rotary_dim 64, 64 MiB at 128.
+TABLE_MAX_POSITIONS = 2**16
+# float64 holds every integer position exactly below 2^53; beyond it angles would be off by whole positions.
+MAX_EXACT_POSITIONS = 2**53
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,25 @@ def rope_frequencies(
     return inv_freq, float(attention_factor)
 
 
+def rope_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles position * inv_freq, times `attention_factor`, float32.
+
+    position_ids: (...) integer tensor; inv_freq: (R/2,) -> cos, sin: (..., R), channels in `layout`
+    order ("half": the R/2 angles twice over, "interleaved": each angle twice in a row).
+    The angle is formed in float64, which keeps integer positions exact up to 2^53 (float32 only up to
+    2^24), and cos/sin reduce even huge float64 angles exactly (a modulo by a rounded 2*pi would not).
+    Autocast never casts float64, so the result is the same under autocast.
+    """
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(torch.float64)  # (..., R/2)
+    if layout == "half":
+        angles = torch.cat((angles, angles), dim=-1)
+    else:
+        angles = angles.repeat_interleave(2, dim=-1)
+    return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
+
+
 def rotary_dim_of(cfg: RopeConfig, head_dim: int) -> int:
     """Number of rotated channels; validates it against the head dimension."""
     dim = head_dim if cfg.rotary_dim is None else cfg.rotary_dim
@@ -317,6 +344,17 @@ class RotaryEmbedding(nn.Module):
     rope(x, position_ids)         rotates x: (..., L, D); position_ids None (0..L-1), (L,) or (B, L).
     rope.cos_sin(position_ids, dtype, seq_len)  returns the gathered (cos, sin) once so every
                                   layer can reuse them with `apply_rotary`.
+
+    The cos/sin table is shared by every caller, so it is safe across grad modes, dtypes and
+    devices by construction, not by the callers' care:
+    - it is built with inference mode and autograd off, a plain float32 tensor that never requires
+      grad: a table grown under torch.inference_mode (a text sample at validation) serves the next
+      training step, whose autograd may save slices of it;
+    - it is never written in place (growing replaces it), so cos/sin handed out earlier stay valid;
+    - it is cast to the caller's dtype only when handed out, and rebuilt when the device changes;
+    - it covers positions below TABLE_MAX_POSITIONS; a request reaching further (seq_len above
+      it, dynamic NTK included) is computed for exactly the requested ids by the same
+      `rope_cos_sin`, so memory follows the request, never the largest position.
     """
 
     def __init__(self, head_dim: int, config: RopeConfig | None = None):
@@ -338,35 +376,45 @@ class RotaryEmbedding(nn.Module):
     def cached_len(self) -> int:
         return 0 if self._cos is None else self._cos.shape[0]
 
+    def _frequencies(self, freq_len: int, device: torch.device) -> torch.Tensor:
+        """(R/2,) inverse frequencies on `device`; dynamic NTK's depend on the total length `freq_len`."""
+        if self.is_dynamic:
+            return rope_frequencies(self.config, self.head_dim, seq_len=freq_len)[0].to(device)
+        return self.inv_freq.to(device)
+
+    def _cos_sin_of(self, position_ids: torch.Tensor, freq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (..., R) float32, for position_ids (...) with frequencies for `freq_len`."""
+        inv_freq = self._frequencies(freq_len, position_ids.device)
+        return rope_cos_sin(position_ids, inv_freq, self.attention_factor, self.config.layout)
+
     def _build(self, capacity: int, freq_len: int, device: torch.device) -> None:
-        inv_freq = self.inv_freq.to(device)
-        if self.is_dynamic:  # frequencies depend on the total length they serve
-            inv_freq = rope_frequencies(self.config, self.head_dim, seq_len=freq_len)[0].to(device)
-        with torch.autocast(device_type=device.type, enabled=False):  # angles stay float32 under autocast
-            positions = torch.arange(capacity, device=device, dtype=torch.float32)
-            angles = positions[:, None] * inv_freq[None, :]  # (capacity, R/2)
-            if self.config.layout == "half":
-                angles = torch.cat((angles, angles), dim=-1)
-            else:
-                angles = angles.repeat_interleave(2, dim=-1)
-            self._cos = angles.cos() * self.attention_factor
-            self._sin = angles.sin() * self.attention_factor
+        # A plain tensor that never requires grad, whatever mode the caller is in (class docstring).
+        with torch.inference_mode(False), torch.no_grad():
+            positions = torch.arange(capacity, device=device)
+            self._cos, self._sin = self._cos_sin_of(positions, freq_len)
         self._cache_key = (freq_len if self.is_dynamic else None, device)
 
     def _ensure(self, needed: int, freq_len: int, device: torch.device) -> None:
-        """Grow (at least doubling) or rebuild the table so positions < `needed` are covered."""
-        cap = self.config.max_position
-        if cap is not None and needed > cap:
-            raise ValueError(f"position {needed - 1} is beyond the RoPE capacity max_position={cap}.")
+        """Grow (at least doubling, at most to TABLE_MAX_POSITIONS) or rebuild the table so
+        positions < `needed` are covered; needed <= TABLE_MAX_POSITIONS."""
         key = (freq_len if self.is_dynamic else None, device)
         if self._cos is not None and key == self._cache_key and needed <= self.cached_len:
             return
         capacity = max(needed, 2 * self.cached_len if key == self._cache_key else needed)
         if self.is_dynamic:
             capacity = needed  # the table is tied to one frequency length; no point over-allocating
-        elif cap is not None:
-            capacity = min(capacity, cap)
-        self._build(capacity, freq_len, device)
+        limit = min(TABLE_MAX_POSITIONS, self.config.max_position or TABLE_MAX_POSITIONS)
+        self._build(min(capacity, limit), freq_len, device)
+
+    def _check_capacity(self, needed: int) -> None:
+        """Positions < `needed` must be within max_position and exact in float64."""
+        cap = self.config.max_position
+        if cap is not None and needed > cap:
+            raise ValueError(f"position {needed - 1} is beyond the RoPE capacity max_position={cap}.")
+        if needed > MAX_EXACT_POSITIONS:
+            raise ValueError(
+                f"position {needed - 1} is beyond 2^53 - 1, the largest position RoPE keeps exact."
+            )
 
     def check_position_ids(self, position_ids: torch.Tensor, seq_len: int, batch: int | None) -> None:
         """Validate shape and dtype of position ids for a sequence of `seq_len` tokens."""
@@ -405,14 +453,26 @@ class RotaryEmbedding(nn.Module):
             if seq_len is None:
                 raise ValueError("cos_sin needs position_ids or seq_len.")
             device = device or self.inv_freq.device
-            self._ensure(seq_len, seq_len, device)
-            return self._cos[:seq_len].to(dtype), self._sin[:seq_len].to(dtype)
-        if seq_len is None:
-            if position_ids.numel() and int(position_ids.min()) < 0:
-                raise ValueError(f"position_ids must be non-negative, got minimum {int(position_ids.min())}.")
-            seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        self._ensure(max(seq_len, 1), seq_len, position_ids.device)
-        return self._cos[position_ids].to(dtype), self._sin[position_ids].to(dtype)
+        else:
+            device = position_ids.device
+            if seq_len is None:
+                if position_ids.numel() and int(position_ids.min()) < 0:
+                    raise ValueError(
+                        f"position_ids must be non-negative, got minimum {int(position_ids.min())}."
+                    )
+                seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        self._check_capacity(seq_len)
+        if seq_len > TABLE_MAX_POSITIONS:  # only the requested ids, never a table up to them
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=device)
+            cos, sin = self._cos_sin_of(position_ids, seq_len)
+        else:
+            self._ensure(max(seq_len, 1), seq_len, device)
+            if position_ids is None:  # 0..seq_len-1: a slice, no gather
+                cos, sin = self._cos[:seq_len], self._sin[:seq_len]
+            else:
+                cos, sin = self._cos[position_ids], self._sin[position_ids]
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor | None = None, seq_dim: int = -2

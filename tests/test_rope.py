@@ -12,11 +12,13 @@ from model.config import ModelConfig
 from model.hf import hf_config_dict
 from model.rope import (
     SCALINGS,
+    TABLE_MAX_POSITIONS,
     RopeConfig,
     RotaryEmbedding,
     _broadcasts_into,
     apply_rotary,
     default_inv_freq,
+    rope_cos_sin,
     rope_frequencies,
 )
 
@@ -208,6 +210,150 @@ def test_one_rope_module_shared_by_every_layer():
     model.rope.cos_sin = lambda *a, **k: calls.append(1) or original(*a, **k)
     model(torch.randint(0, 50, (1, 8)))
     assert len(calls) == 1  # gathered once per forward, reused by all 3 layers
+
+
+# ------------------------------------------------------------------------- grad modes, dtypes, devices
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_table_grown_under_inference_mode_serves_a_training_step(layout):
+    """A text sample at validation grows the table under inference_mode; the next training step's
+    autograd saves a slice of that same table."""
+    rope = RotaryEmbedding(D, RopeConfig(layout=layout))
+    rope(torch.randn(1, 8, D))
+    with torch.inference_mode():
+        rope(torch.randn(1, 40, D))
+    assert rope.cached_len == 40 and not rope._cos.is_inference() and not rope._cos.requires_grad
+    x = torch.randn(1, 2, 8, D, requires_grad=True)
+    (rope(x) ** 2).sum().backward()  # positions 0..7: a slice of the table, no gather
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=1e-5, atol=1e-5)  # rotation is orthogonal
+
+
+def test_dtype_switch_casts_the_one_float32_table():
+    rope = RotaryEmbedding(D, make_cfg("yarn"))
+    ids = torch.tensor([3, 700, 20_000])
+    cos32, sin32 = rope.cos_sin(ids, torch.float32)
+    table = rope._cos
+    with torch.inference_mode():
+        cos16, sin16 = rope.cos_sin(ids, torch.bfloat16)
+    assert cos16.dtype == sin16.dtype == torch.bfloat16
+    assert torch.equal(cos16, cos32.bfloat16()) and torch.equal(sin16, sin32.bfloat16())
+    assert rope._cos is table and table.dtype == torch.float32
+    again32, _ = rope.cos_sin(ids, torch.float32)
+    assert torch.equal(again32, cos32)
+
+
+def test_cache_key_follows_the_device():
+    rope = RotaryEmbedding(D, RopeConfig())
+    expected, _ = rope.cos_sin(torch.arange(10), torch.float32)
+    cos, _ = rope.cos_sin(torch.arange(10, device="meta"), torch.float32, seq_len=10)
+    assert cos.device.type == "meta" and rope._cos.device.type == "meta"
+    back, _ = rope.cos_sin(torch.arange(10), torch.float32)  # rebuilt on the CPU, same values
+    assert rope._cos.device.type == "cpu" and torch.equal(back, expected)
+
+
+# ------------------------------------------------------------------------- positions beyond the table
+
+
+def reference_cos_sin(cfg: RopeConfig, position: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (R,) of one position, angles in float64 with math, channels in the layout's order."""
+    inv_freq, attention_factor = rope_frequencies(cfg, D, seq_len=seq_len)
+    angles = [position * float(f) for f in inv_freq]
+    angles = angles + angles if cfg.layout == "half" else [a for a in angles for _ in range(2)]
+    cos = [attention_factor * math.cos(a) for a in angles]
+    sin = [attention_factor * math.sin(a) for a in angles]
+    return torch.tensor(cos, dtype=torch.float64), torch.tensor(sin, dtype=torch.float64)
+
+
+FAR_SETTINGS = [  # (scaling, layout, rotary_dim): both layouts, partial rotation, yarn's factor, dynamic NTK
+    ("none", "half", None),
+    ("none", "interleaved", 8),
+    ("yarn", "half", None),
+    ("yarn", "interleaved", 8),
+    ("dynamic_ntk", "half", None),
+    ("dynamic_ntk", "interleaved", 8),
+    ("llama3", "half", 8),
+]
+
+
+@pytest.mark.parametrize("position", [2**24 + 1, 10**12 + 3])
+@pytest.mark.parametrize("scaling,layout,rotary_dim", FAR_SETTINGS)
+def test_far_positions_match_a_float64_reference(position, scaling, layout, rotary_dim):
+    """float32 angles lose integer positions above 2^24, and a table up to 10^12 would take terabytes."""
+    cfg = make_cfg(scaling, layout=layout, rotary_dim=rotary_dim)
+    rope = RotaryEmbedding(D, cfg)
+    ids = torch.tensor([[7, position], [position, 0]])
+    for seq_len in (None, position + 5):  # ids validated here, or bounded by the decode loop's promise
+        cos, sin = rope.cos_sin(ids, torch.float32, seq_len=seq_len)
+        ref_cos, ref_sin = reference_cos_sin(cfg, position, position + 1 if seq_len is None else seq_len)
+        for got in (cos[0, 1], cos[1, 0]):
+            torch.testing.assert_close(got.double(), ref_cos, rtol=0, atol=1e-6)
+        for got in (sin[0, 1], sin[1, 0]):
+            torch.testing.assert_close(got.double(), ref_sin, rtol=0, atol=1e-6)
+    assert rope.cached_len == 0  # served without any table
+
+
+@pytest.mark.parametrize("scaling", ["none", "dynamic_ntk"])
+def test_table_stays_bounded_after_huge_positions(scaling):
+    rope = RotaryEmbedding(D, make_cfg(scaling))
+    rope(torch.randn(1, 3 * TABLE_MAX_POSITIONS // 4, D))  # 3/4 of the limit: doubling is capped below
+    rope(torch.randn(1, 1, D), torch.tensor([3 * TABLE_MAX_POSITIONS // 4]))
+    assert rope.cached_len <= TABLE_MAX_POSITIONS
+    rope(torch.randn(1, 1, 2, D), torch.tensor([10**12, 10**12 + 3]))
+    rope.cos_sin(torch.tensor([[10**12 + 9]]), torch.float32, seq_len=10**12 + 10)
+    assert rope.cached_len <= TABLE_MAX_POSITIONS
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("scaling", ["none", "yarn", "llama3"])
+def test_table_and_direct_computation_agree(scaling, layout):
+    """seq_len = the limit is served by the table, one more by direct computation of the same ids."""
+    rope = RotaryEmbedding(D, make_cfg(scaling, layout=layout))
+    ids = torch.tensor([0, 1, 777, 40_000, TABLE_MAX_POSITIONS - 1])
+    from_table = rope.cos_sin(ids, torch.float32, seq_len=TABLE_MAX_POSITIONS)
+    assert rope.cached_len == TABLE_MAX_POSITIONS
+    direct = rope.cos_sin(ids, torch.float32, seq_len=TABLE_MAX_POSITIONS + 1)
+    torch.testing.assert_close(direct, from_table)
+    pure = rope_cos_sin(ids, rope.inv_freq, rope.attention_factor, layout)
+    torch.testing.assert_close(pure, from_table)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_relative_property_at_far_positions(layout):
+    """q_m . k_n at m, n near 10^12 equals the score at m - n, n = 0: the angles keep every position."""
+    rope = RotaryEmbedding(D, RopeConfig(layout=layout))
+    q, k = torch.randn(1, D), torch.randn(1, D)
+
+    def score(m, n):
+        return (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()
+
+    far = 10**12
+    torch.testing.assert_close(score(far + 7, far + 3), score(4, 0), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(score(2**24 + 1, 2**24), score(1, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_model_logits_at_a_far_start_equal_those_at_zero():
+    """Plain RoPE sees only relative distances, so a whole sequence shifted to 10^12 scores the same."""
+    from model.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)).eval()
+    idx = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        near = model(idx)
+        far = model(idx, position_ids=torch.arange(10**12, 10**12 + 12))
+    torch.testing.assert_close(far, near, rtol=1e-4, atol=1e-4)
+    assert model.rope.cached_len <= TABLE_MAX_POSITIONS
+
+
+def test_positions_beyond_float64_exactness_are_refused():
+    rope = RotaryEmbedding(D, RopeConfig())
+    rope.cos_sin(torch.tensor([2**53 - 1]), torch.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"position 9007199254740992 is beyond 2\^53 - 1, the largest position RoPE keeps exact",
+    ):
+        rope.cos_sin(torch.tensor([2**53]), torch.float32)
 
 
 # ------------------------------------------------------------------------- parity with transformers
