@@ -23,8 +23,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data import DataError
-from model.callbacks import AtomicCheckpointIO, TextSample, build_callbacks
-from model.checkpoint import CheckpointError, file_sha256, model_state_from_checkpoint, safe_load
+from model.callbacks import AtomicCheckpointIO, NewRunDirectories, TextSample, build_callbacks
+from model.checkpoint import (
+    CheckpointError,
+    check_weights_fit,
+    file_sha256,
+    load_weights,
+    model_state_from_checkpoint,
+    safe_load,
+)
 from model.config import ModelConfig
 from model.lightning import LitLlama, NonFiniteLossError
 from model.rope import RopeConfig
@@ -111,23 +118,45 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
+def resume_weights(ckpt_path: str) -> dict:
+    """The weights of the checkpoint to resume, read safely (tensors mapped, not read) so that a crafted,
+    foreign or weights-only file is refused before anything is written into the run directory."""
+    ckpt = safe_load(ckpt_path, mmap=True)
+    if "optimizer_states" not in ckpt or "pytorch-lightning_version" not in ckpt:
+        raise CheckpointError(
+            f"ckpt_path {ckpt_path} holds no training state to resume (optimizer, schedule, step); "
+            f"pass init_from={ckpt_path} to start a new run from its weights."
+        )
+    return model_state_from_checkpoint(ckpt)
+
+
+def check_max_steps(max_steps) -> None:
+    """The LR schedule decays over trainer.max_steps, so training needs a finite, positive length."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(
+            f"trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got {max_steps}."
+        )
+
+
 def setup_run(cfg: DictConfig):
-    """Everything before fit; every bad setting fails here with one sentence, before data is written."""
+    """Everything before fit; every bad setting fails here with one sentence, before anything is written
+    into the run directory."""
     L.seed_everything(cfg.seed, workers=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_max_steps(cfg.trainer.max_steps)
     rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
     model_kwargs = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig(vocab_size=VOCAB_MULTIPLE, rope=rope, **model_kwargs)  # shape errors before any data work
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is None and not cfg.overwrite:
         refuse_to_overwrite(run_dir)
+    resume_state = resume_weights(ckpt_path) if ckpt_path else None
     init_state = model_state_from_checkpoint(safe_load(cfg.init_from)) if cfg.init_from else None
 
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
     tokenizer = datamodule.tokenizer
-    shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
 
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     model_config = ModelConfig(vocab_size=vocab_size, rope=rope, **model_kwargs)
@@ -141,17 +170,21 @@ def setup_run(cfg: DictConfig):
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )
-    if (
-        init_state is not None
-    ):  # weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
-        try:
-            module.model.load_state_dict(init_state, strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(
-                f"init_from {cfg.init_from} does not fit this model shape (same model= and data tokenizer needed): "
-                f"{str(e).splitlines()[0]}"
-            ) from None
+    if resume_state is not None:  # Lightning loads it in fit, where a mismatch would be a traceback
+        check_weights_fit(
+            module.model,
+            resume_state,
+            f"ckpt_path {ckpt_path} does not fit this model (resume with the run's own model= and data settings)",
+        )
+    # init_from is weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
+    if init_state is not None:
+        load_weights(
+            module.model,
+            init_state,
+            f"init_from {cfg.init_from} does not fit this model (the same model= and data tokenizer are needed)",
+        )
         print(f"Initialised weights from {cfg.init_from}")
+    shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
 
     sample = TextSample(tokenizer, run_dir, **OmegaConf.to_container(cfg.sample, resolve=True))
     logger = build_logger(cfg.logger, run_dir, cfg)
@@ -194,7 +227,10 @@ def run_summary(metrics: dict[str, float], ckpt_dir: Path, val_check_interval) -
 
 
 def remove_empty_run_dir(run_dir: Path) -> None:
-    """A run that failed before training leaves nothing behind (Hydra already wrote .hydra/ and a log)."""
+    """A run that failed before training leaves nothing behind (Hydra already wrote .hydra/ and a log);
+    a directory that existed before this process is never removed, whatever it holds."""
+    if not NewRunDirectories.made_by_this_process(run_dir):
+        return
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -1,14 +1,18 @@
-"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, and text samples at validation."""
+"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, text samples at validation, and
+the Hydra callback that tells train.py whether it created its run directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import torch
+from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
 
 from model.checkpoint import atomic_torch_save, safe_load
 
@@ -123,3 +127,28 @@ def build_callbacks(cfg, run_dir: Path, sample: TextSample | None, log_lr: bool 
     if sample is not None:
         callbacks.append(sample)
     return callbacks
+
+
+class NewRunDirectories(HydraCallback):
+    """Hydra creates the run directory and writes .hydra/ and the log into it before train.py's main runs;
+    this notes first whether the directory is new, so a run refused before training removes only a
+    directory it created (configs/train.yaml registers it under hydra.callbacks)."""
+
+    created: ClassVar[set[Path]] = set()
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._note(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._note(config.hydra.sweep.dir)  # the job directories inside a new sweep directory are new too
+
+    def _note(self, directory: str) -> None:
+        path = Path(directory).resolve()
+        if not path.exists():
+            self.created.add(path)
+
+    @classmethod
+    def made_by_this_process(cls, run_dir: Path) -> bool:
+        """Whether `run_dir`, or the sweep directory holding it, did not exist before this process started it."""
+        run_dir = Path(run_dir).resolve()
+        return any(made == run_dir or made in run_dir.parents for made in cls.created)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,19 +64,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"Checkpoint {p} does not exist; pass a .ckpt file or a run directory.")
 
 
-def safe_load(path: str | os.PathLike, map_location="cpu") -> dict:
-    """torch.load with weights_only=True: tensors and plain containers only, never code."""
+def safe_load(path: str | os.PathLike, map_location="cpu", mmap: bool = False) -> dict:
+    """torch.load with weights_only=True: tensors and plain containers only, never code.
+    mmap: map the tensors' storage instead of reading it (a cheap look at a large checkpoint)."""
     p = Path(path)
     try:
-        obj = torch.load(p, map_location=map_location, weights_only=True)
+        obj = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):  # a damaged pickle, not a forbidden object
             raise CheckpointError(
                 f"{p} is not a readable PyTorch checkpoint (truncated or foreign file)."
             ) from None
+        forbidden = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's message names the blocked callable
         raise CheckpointError(
-            f"Refusing to load {p}: it contains objects other than tensors and plain data "
-            f"(loading it could run code). Detail: {str(e).splitlines()[0]}"
+            f"Refusing to load {p}: it contains objects other than tensors and plain data"
+            f"{f' ({forbidden.group(1)})' if forbidden else ''}, and loading it could run code."
         ) from None
     except Exception as e:  # torch raises many types for a truncated or foreign file; all mean the same
         detail = (str(e).splitlines() or [type(e).__name__])[0]
@@ -112,6 +115,37 @@ def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
 
 
+def check_weights_fit(model: torch.nn.Module, state: dict, context: str) -> None:
+    """One sentence unless `state` loads strictly into `model`: `context`, then the first tensor that
+    differs with its shape in the checkpoint and in the model (load_state_dict's first line names none)."""
+    expected = model.state_dict()
+    problems = []
+    for name, tensor in expected.items():
+        saved = state.get(name)
+        if saved is None:
+            problems.append(f"the model's tensor {name!r} is missing from the checkpoint")
+        elif not isinstance(saved, torch.Tensor):
+            problems.append(f"{name!r} is a {type(saved).__name__} in the checkpoint, not a tensor")
+        elif saved.shape != tensor.shape:
+            problems.append(
+                f"tensor {name!r} has shape {list(saved.shape)} in the checkpoint but {list(tensor.shape)} in the model"
+            )
+    problems += [
+        f"the checkpoint's tensor {name!r} has no place in the model"
+        for name in state
+        if name not in expected
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{context}: {problems[0]}{more}.")
+
+
+def load_weights(model: torch.nn.Module, state: dict, context: str) -> None:
+    """Load `state` strictly into `model`; a mismatch fails with check_weights_fit's sentence."""
+    check_weights_fit(model, state, context)
+    model.load_state_dict(state, strict=True)
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -131,12 +165,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{p} has an invalid model_config: {e}") from None
     model = Llama(config)
-    try:
-        model.load_state_dict(model_state_from_checkpoint(ckpt), strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(
-            f"{p} weights do not match its model_config: {str(e).splitlines()[0]}"
-        ) from None
+    load_weights(model, model_state_from_checkpoint(ckpt), f"{p} weights do not match its model_config")
     tok = ckpt.get("tokenizer") or {}
     return LoadedCheckpoint(
         model=model.eval(),

@@ -25,7 +25,7 @@ from tokenizers import processors
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 from data.tokenizer import BOS, EOS, Tokenizer
-from model.checkpoint import load_checkpoint
+from model.checkpoint import load_checkpoint, resolve_checkpoint
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.rope import ntk_base
 from scripts.common import CONFIGS, one_sentence_errors, require
@@ -37,6 +37,20 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"out={out} is a file; give a directory path.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"out={out} is not empty; pass overwrite=true to replace it.")
+
+
+def check_out_apart(out: Path, ckpt: Path) -> None:
+    """Refuse an `out` where the export could replace the checkpoint or the files beside it: the
+    checkpoint's run directory (runs/<run> for runs/<run>/checkpoints/*.ckpt, else the checkpoint's
+    folder), a folder above it, or a folder inside a run directory; symlinks are resolved."""
+    ckpt = ckpt.resolve()
+    in_run = ckpt.parent.name == "checkpoints"
+    run_dir = ckpt.parent.parent if in_run else ckpt.parent
+    if out == run_dir or out in run_dir.parents or (in_run and run_dir in out.parents):
+        raise ValueError(
+            f"out={out} overlaps {run_dir}, the run directory of the checkpoint being exported; "
+            "choose a directory outside it."
+        )
 
 
 def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -54,16 +68,16 @@ def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temp dir to `out`; an old `out` is moved aside first and removed last."""
-    old = None
+    """A new or empty `out` becomes the finished temp dir in one rename; in a non-empty `out`, each file the
+    export wrote replaces its namesake atomically and every other file there is left as it is."""
     if out.is_dir() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
-        os.replace(out, old / out.name)
-    elif out.is_dir():
+        for written in tmp.iterdir():
+            os.replace(written, out / written.name)
+        tmp.rmdir()
+        return
+    if out.is_dir():
         out.rmdir()  # an empty target directory (e.g. made by the caller) is simply replaced
     os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -73,10 +87,17 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     """
     out = Path(out).expanduser().resolve()
     check_out(out, overwrite)
+    ckpt = resolve_checkpoint(ckpt)
+    check_out_apart(out, ckpt)
     loaded = load_checkpoint(ckpt)
     cfg = loaded.config
     hf_config = LlamaConfig(**hf_config_dict(cfg), architectures=["LlamaForCausalLM"], dtype="float32")
-    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
+    tokenizer_file = loaded.tokenizer_file().resolve()
+    if out == tokenizer_file.parent:  # the export's own tokenizer.json would replace the one it reads
+        raise ValueError(
+            f"out={out} holds {tokenizer_file}, the checkpoint's tokenizer; choose another directory."
+        )
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
     hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
     if cfg.rope.scaling == "ntk":
         base = ntk_base(cfg.rope.base, cfg.rope.factor, cfg.head_dim)

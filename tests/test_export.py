@@ -1,6 +1,7 @@
 """Hugging Face export/import: transformers reproduces our logits, greedy tokens and tokenizer exactly."""
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,77 @@ def test_cli_refuses_partial_rotary_dim_and_writes_nothing(tmp_path, tokenizer, 
     err = capsys.readouterr().err
     assert err.startswith("error: transformers' Llama rotates the whole head; rotary_dim=8")
     assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(tmp_path, tokenizer, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    ckpt = write_checkpoint(run_dir / "checkpoints", tokenizer, ROPES["none"])
+    before = ckpt.read_bytes()
+    (tmp_path / "link").symlink_to(run_dir)
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", f"ckpt={run_dir}", f"out={run_dir}", "overwrite=true"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: out={run_dir} overlaps {run_dir}, the run directory of the checkpoint being exported; "
+        "choose a directory outside it.\n"
+    )
+    for out in (tmp_path / "link", tmp_path, run_dir / "checkpoints", run_dir / "hf"):  # is, above, inside
+        with pytest.raises(ValueError, match=f"overlaps {run_dir}, the run directory"):
+            export(ckpt, out, overwrite=True)
+    assert ckpt.read_bytes() == before and sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
+
+
+def test_overwrite_replaces_only_the_files_export_writes(tmp_path, tokenizer):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "README.md").write_text("my notes\n")
+    (out / "config.json").write_text("{}")  # a stale export
+    export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), out, overwrite=True)
+    assert (out / "README.md").read_text() == "my notes\n"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 320
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temp dirs left behind
+
+
+def import_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    from scripts.import_hf import main as import_main
+
+    monkeypatch.setattr(sys, "argv", ["import_hf.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        import_main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_import_refuses_a_corrupt_safetensors_file_in_one_sentence(tmp_path, tokenizer, monkeypatch, capsys):
+    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    complete = weights.read_bytes()
+    for damaged in (
+        complete[: len(complete) // 2],
+        bytes(random.Random(0).randrange(256) for _ in range(4096)),
+    ):
+        weights.write_bytes(damaged)
+        code, err = import_cli(monkeypatch, capsys, f"hf_dir={hf}", f"out={tmp_path / 'imported' / 'm.ckpt'}")
+        assert code == 2 and err.startswith(f"error: {weights} is not a readable safetensors file"), err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "imported").exists()
+
+
+def test_import_refuses_an_out_inside_the_directory_it_reads(tmp_path, tokenizer, monkeypatch, capsys):
+    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+    files = {p.name: p.read_bytes() for p in hf.iterdir()}
+    for out in (hf / "model.safetensors", hf, tmp_path):  # inside, is, above
+        code, err = import_cli(monkeypatch, capsys, f"hf_dir={hf}", f"out={out}", "overwrite=true")
+        assert code == 2 and err == (
+            f"error: out={out} overlaps hf_dir={hf}, the directory being imported; write the checkpoint "
+            "outside it.\n"
+        )
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == files
+
+
+def test_import_writes_nothing_when_the_tokenizer_is_larger_than_the_model(tmp_path, tokenizer, text):
+    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+    train_tokenizer([text[:40000]], vocab_size=400, path=str(hf / "tokenizer.json"))
+    with pytest.raises(ValueError, match="The tokenizer has 400 tokens but the model only 320"):
+        import_hf(hf, tmp_path / "imported" / "model.ckpt")
+    assert not (tmp_path / "imported").exists()

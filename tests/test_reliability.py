@@ -16,7 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train as train_py
-from model.checkpoint import CheckpointError, atomic_torch_save, model_state_from_checkpoint, safe_load
+from model.checkpoint import (
+    CheckpointError,
+    atomic_torch_save,
+    load_checkpoint,
+    model_state_from_checkpoint,
+    safe_load,
+)
 from model.rope import SCALINGS, RopeConfig, RotaryEmbedding
 from tests.helpers import ROOT, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 
@@ -174,10 +180,19 @@ def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     return path, marker
 
 
+def refusal(path: Path) -> str:
+    """The one sentence every entry point prints for a crafted pickle: it names the blocked callable."""
+    return (
+        f"Refusing to load {path}: it contains objects other than tensors and plain data "
+        f"({os.system.__module__}.system), and loading it could run code."
+    )
+
+
 def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
     path, marker = crafted_checkpoint(tmp_path)
-    with pytest.raises(CheckpointError, match="Refusing to load .*evil.ckpt"):
+    with pytest.raises(CheckpointError) as info:
         safe_load(path)
+    assert str(info.value) == refusal(path)
     assert not marker.exists()
 
 
@@ -188,6 +203,118 @@ def test_training_refuses_a_crafted_checkpoint(option, tmp_path, corpus):
     with pytest.raises(CheckpointError, match="Refusing to load"):
         train_py.train(cfg)
     assert not marker.exists()
+
+
+def run_hydra_main(main, argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
+    """A Hydra entry point exactly as its command line runs it, in this process: (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["entry_point.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        main()
+    return info.value.code, capfd.readouterr().err
+
+
+def generate_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
+    import generate
+
+    return run_hydra_main(generate.main, [f"ckpt={path}", "prompt=ROMEO:"], monkeypatch, capfd)
+
+
+def export_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
+    from scripts import export_hf
+
+    return run_hydra_main(export_hf.main, [f"ckpt={path}", f"out={tmp_path / 'hf'}"], monkeypatch, capfd)
+
+
+def eval_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
+    from scripts import eval_extrapolation
+
+    argv = [f"ckpt={path}", f"out={tmp_path / 'eval'}", "lengths=[32]"]
+    return run_hydra_main(eval_extrapolation.main, argv, monkeypatch, capfd)
+
+
+def passkey_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
+    from scripts import passkey
+
+    argv = [f"ckpt={path}", f"out={tmp_path / 'passkey'}", "lengths=[32]"]
+    return run_hydra_main(passkey.main, argv, monkeypatch, capfd)
+
+
+def study_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
+    from scripts import study
+
+    with pytest.raises(SystemExit) as info:  # its first step evaluates base_ckpt in a subprocess
+        study.main([f"out={tmp_path / 'study'}", f"base_ckpt={path}", "smoke=true"])
+    return info.value.code, capfd.readouterr().err
+
+
+ENTRY_POINTS = {
+    "generate.py": generate_cli,
+    "export_hf.py": export_cli,
+    "eval_extrapolation.py": eval_cli,
+    "passkey.py": passkey_cli,
+    "study.py base_ckpt": study_cli,
+}
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_every_entry_point_refuses_a_crafted_checkpoint(entry_point, tmp_path, monkeypatch, capfd):
+    path, marker = crafted_checkpoint(tmp_path)
+    code, err = ENTRY_POINTS[entry_point](path, tmp_path, monkeypatch, capfd)
+    assert code == 2 and f"error: {refusal(path)}" in err.splitlines(), err
+    assert "Traceback" not in err and not marker.exists()
+
+
+def test_refused_resume_leaves_no_run_directory(tmp_path, corpus, monkeypatch, capsys):
+    path, marker = crafted_checkpoint(tmp_path)
+    run_dir = tmp_path / "run"
+    code, err = cli(
+        tiny_overrides(tmp_path, corpus) + [f"ckpt_path={path}", f"hydra.run.dir={run_dir}"],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and err.strip().splitlines()[-1] == f"error: {refusal(path)}"
+    assert not run_dir.exists() and not marker.exists()
+
+
+@pytest.mark.parametrize("resume", ["missing", "crafted"])
+def test_refused_run_keeps_a_run_directory_that_existed_before(resume, tmp_path, corpus, monkeypatch, capsys):
+    path, _ = crafted_checkpoint(tmp_path)
+    run_dir = tmp_path / "run"  # e.g. left by an earlier failed run: Hydra's files only
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "notes.yaml").write_text("mine\n")
+    (run_dir / "train.log").write_text("an earlier log\n")
+    ckpt_path = "last" if resume == "missing" else path
+    code, _ = cli(
+        tiny_overrides(tmp_path, corpus) + [f"ckpt_path={ckpt_path}", f"hydra.run.dir={run_dir}"],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2
+    assert (run_dir / ".hydra" / "notes.yaml").read_text() == "mine\n"
+    assert (run_dir / "train.log").read_text().startswith("an earlier log\n")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "train.log"]  # nothing written either
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
+    from model.config import ModelConfig
+    from model.llama import Llama
+
+    small = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=64)
+    path = tmp_path / "mismatch.ckpt"
+    atomic_torch_save(  # weights of a 32-wide model under the config of a 48-wide one
+        {
+            "state_dict": {"model." + k: v for k, v in Llama(small).state_dict().items()},
+            "model_config": small.to_dict() | {"d_model": 48},
+        },
+        path,
+    )
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(info.value).startswith(
+        f"{path} weights do not match its model_config: tensor 'embed.weight' has shape [64, 32] in the "
+        "checkpoint but [64, 48] in the model (and "
+    )
+    assert "\n" not in str(info.value)
 
 
 def test_truncated_and_foreign_files_give_one_sentence(tmp_path):
@@ -229,6 +356,10 @@ BAD_INPUT = {
     "max_len beyond the data": (["data.max_len=50000"], "max_len"),
     "missing data files": (["data.source.paths=[/nonexistent/*.txt]"], "/nonexistent/*.txt"),
     "missing resume checkpoint": (["ckpt_path=last"], "ckpt_path=last but"),
+    "unbounded max_steps": (  # max_epochs bounds Lightning's loop but gives the LR schedule no length
+        ["trainer.max_steps=-1", "+trainer.max_epochs=1"],
+        "trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got -1.",
+    ),
 }
 
 

@@ -271,3 +271,36 @@ def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
 )
 def test_mfu_peak_is_measured_in_the_dtype_the_matmuls_run_in(precision, dtype):
     assert matmul_dtype(precision) == dtype
+
+
+def test_training_continues_after_a_sample_longer_than_the_training_length(tmp_path, corpus):
+    """The sample at step 10 (under inference_mode) grows the shared RoPE table past max_len=32;
+    step 11 trains on that table and its autograd saves slices of it."""
+    metrics, run_dir = run_train(tmp_path, corpus, "sample.max_new_tokens=40")
+    assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 20
+    samples = (run_dir / "samples.txt").read_text()
+    assert "step 10" in samples and "step 20" in samples and "val/loss" in metrics
+
+
+def test_checkpoints_that_do_not_fit_are_refused_before_the_run_directory_is_written(tmp_path, corpus):
+    _, base = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=2", name="base")
+    last = base / "checkpoints" / "last.ckpt"
+    weights_only = tmp_path / "weights_only.ckpt"  # what scripts/import_hf.py writes: no training state
+    torch.save(
+        {k: v for k, v in safe_load(last).items() if k in ("state_dict", "model_config")}, weights_only
+    )
+    wider = ["model.d_model=128"]
+    shapes = "tensor 'embed.weight' has shape [320, 64] in the checkpoint but [320, 128] in the model (and "
+    for option, path, overrides, sentence in [
+        ("init_from", last, wider, f"init_from {last} does not fit this model (the same model= and data "
+         f"tokenizer are needed): {shapes}"),
+        ("ckpt_path", last, wider, f"ckpt_path {last} does not fit this model (resume with the run's own "
+         f"model= and data settings): {shapes}"),
+        ("ckpt_path", weights_only, [], f"ckpt_path {weights_only} holds no training state to resume "
+         f"(optimizer, schedule, step); pass init_from={weights_only} to start a new run from its weights."),
+    ]:  # fmt: skip
+        run_dir = tmp_path / f"{option}-{path.stem}"
+        with pytest.raises(CheckpointError) as info:
+            run_train(tmp_path, corpus, f"{option}={path}", *overrides, name=run_dir.name)
+        assert str(info.value).startswith(sentence) and "\n" not in str(info.value), str(info.value)
+        assert list(run_dir.iterdir()) == []  # refused before anything was written into the run directory
