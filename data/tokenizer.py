@@ -32,7 +32,10 @@ class Tokenizer:
         with open(self.path, "rb") as f:
             raw = f.read()
         self.sha256 = hashlib.sha256(raw).hexdigest()
-        self.hf = HFTokenizer.from_str(raw.decode("utf-8"))
+        try:
+            self.hf = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for malformed JSON
+            raise DataError(f"{self.path} is not a readable tokenizer.json ({e}).") from None
         self.bos_id = self._find(_BOS_NAMES, "BOS")
         self.eos_id = self._find(_EOS_NAMES, "EOS")
 

@@ -497,3 +497,12 @@ def test_hydra_configs_instantiate_and_full_shakespeare_prepares_in_budget(tmp_p
     assert dm.vocab_size == 4096 and dm.cache.meta["splits"]["train"]["documents"] == 34
     assert all(len(doc) > 16 * 256 for doc in dm.documents("test") + dm.documents("val"))
     assert 2.5 < dm.chars_per_token("test") < 4.5
+
+
+@pytest.mark.parametrize("content", [b'{"version": "1.0", "model"', b"\xff\xfe not json"])
+def test_a_corrupt_tokenizer_file_is_one_sentence(tmp_path, content):
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=r"is not a readable tokenizer\.json") as error:
+        Tokenizer.from_file(str(path))
+    assert len(str(error.value).splitlines()) == 1
