@@ -26,6 +26,7 @@ from model.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
+    check_integer,
     generate,
     override_rope,
     position_buckets,
@@ -117,15 +118,16 @@ def run_sample(
     stop = [cfg.stop] if isinstance(cfg.stop, str) else cfg.stop  # stop="END" is one string, not 3 letters
     streams = [TextStream(tok.decode, [unescape(s) for s in stop]) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
+    # The prompt is echoed with the first new text: a refusal (options, memory, positions) prints only itself.
+    unechoed = [texts[0]] if live else []
 
     def on_token(row: int, token: int) -> bool:
         text = streams[row].push(token)
         if live:
-            print(text, end="", flush=True)
+            print(*unechoed, text, sep="", end="", flush=True)
+            unechoed.clear()
         return streams[row].stopped
 
-    if live:
-        print(texts[0], end="", flush=True)
     out = generate(
         ckpt.model,
         prompts,
@@ -142,7 +144,7 @@ def run_sample(
     for row, (text, stream) in enumerate(zip(texts, streams)):
         rest = stream.finish()
         if live:
-            print(rest)
+            print(*unechoed, rest, sep="")
         else:
             print(f"{'-' * 20} sample {row}\n{text}{stream.text}" if len(texts) > 1 else text + stream.text)
     compiled = f"  compiled step built in {out.compile_seconds:.1f} s" if out.compile_seconds else ""
@@ -174,8 +176,7 @@ def main(cfg: DictConfig) -> None:
             sampling = SamplingConfig(
                 float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy)
             )
-            if cfg.num_samples < 1:
-                raise GenerationError(f"num_samples must be a positive integer, got {cfg.num_samples}.")
+            check_integer("num_samples", cfg.num_samples, 1)
             texts = read_prompts(cfg)
             run_sample(cfg, *load(cfg), sampling, texts)
         elif cfg.mode == "score":

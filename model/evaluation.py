@@ -37,11 +37,15 @@ def matched_factor(length: int, train_len: int) -> float:
     return max(1.0, length / train_len)
 
 
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; valid methods are {', '.join(METHODS)}.")
+
+
 def method_rope(ckpt_rope: RopeConfig, method: str, factor: float, train_len: int) -> RopeConfig:
     """The RoPE a method evaluates with: the checkpoint's (base, layout, ...) with the scaling
     replaced, `factor` and original_max_len = the checkpoint's training length. `ckpt` = unchanged."""
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; valid methods are {', '.join(METHODS)}.")
+    check_method(method)
     if method == CKPT_METHOD:
         return ckpt_rope
     factor = 1.0 if method == "none" else float(factor)  # unused by `none`; 1 keeps reports honest

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from inference.memory import check_fits, forward_bytes
 from model.cpu_decode import NativeDecodeStep, NativeDecodeUnavailable
 from model.kv_cache import KVCache
 from model.llama import Llama
@@ -32,6 +33,25 @@ from model.rope import RopeConfig
 
 class GenerationError(ValueError):
     """A user-facing generation problem (empty prompt, cache too small, bad option), one sentence."""
+
+
+LARGEST_POSITION = torch.iinfo(torch.int64).max  # position ids are int64 tensors
+
+
+def check_integer(name: str, value, minimum: int) -> None:
+    """One sentence unless `value` is an int >= minimum (a bool is refused: Hydra reads `true` as one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise GenerationError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_positions(start_pos: int, count: int) -> None:
+    """start_pos must be a non-negative integer, and start_pos + count - 1 still an int64 position id."""
+    check_integer("start_pos", start_pos, 0)
+    if start_pos + count - 1 > LARGEST_POSITION:
+        raise GenerationError(
+            f"start_pos={start_pos} with {count:,} tokens reaches position {start_pos + count - 1:,}, past the "
+            f"largest position id {LARGEST_POSITION:,} (int64); lower start_pos."
+        )
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -142,12 +162,59 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, cache_len: int | None) 
     needed = prompt_len + max_new_tokens
     if cache_len is None:
         return needed
+    check_integer("cache_len", cache_len, 1)
     if needed > cache_len:
         raise GenerationError(
             f"The prompt ({prompt_len} tokens with bos) plus max_new_tokens={max_new_tokens} needs {needed} "
             f"KV cache slots but cache_len={cache_len}; raise cache_len or shorten the prompt or the generation."
         )
     return cache_len
+
+
+def generation_bytes(
+    config, batch: int, prompt_len: int, capacity: int, dtype: torch.dtype, padded: bool, native: bool
+) -> int:
+    """Bytes `generate` allocates besides the weights for `batch` prompts of up to `prompt_len`
+    tokens: the KV cache, the (B, n) prompt ids and (B, capacity) position ids, the prefill forward
+    (with its (B, n, n) mask when rows are padded) and, for the native step, cos/sin of every slot."""
+    return (
+        KVCache.bytes_for_model(config, batch, capacity, dtype)
+        + 8 * batch * (prompt_len + capacity)
+        + forward_bytes(config, batch, prompt_len, dtype, mask_keys=prompt_len if padded else 0)
+        + (2 * 4 * capacity * config.head_dim if native else 0)
+    )
+
+
+def check_generation(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    start_pos: int = 0,
+    cache_len: int | None = None,
+    compile: bool = False,
+    native: bool = False,
+) -> int:
+    """Every argument of `generate` and the memory it needs, checked before anything is allocated;
+    returns the KV cache capacity. Raises GenerationError or MemoryBudgetError (one sentence)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("Every prompt needs at least one token; got an empty prompt.")
+    check_integer("max_new_tokens", max_new_tokens, 1)
+    if compile and native:
+        raise GenerationError("compile and native are two decode paths; choose one of them.")
+    n, batch = max(map(len, prompts)), len(prompts)
+    capacity = cache_capacity(n, max_new_tokens, cache_len)
+    check_positions(start_pos, capacity)  # every slot gets a position id (left_pad)
+    padded = min(map(len, prompts)) < n
+    dtype = model.embed.weight.dtype
+    check_fits(
+        generation_bytes(model.config, batch, n, capacity, dtype, padded, native),
+        f"generating {max_new_tokens:,} tokens after {batch} prompt{'s' * (batch > 1)} of up to {n:,} tokens "
+        f"({capacity:,} KV cache slots)",
+        "max_new_tokens, cache_len or the prompts",
+        model.embed.weight.device,
+    )
+    return capacity
 
 
 @torch.inference_mode()
@@ -178,19 +245,20 @@ def generate(
         built once per cache shape (seconds on a CPU), then about 1.5x faster per token.
     native: decode through the C step of model/cpu_decode.c (one sequence, float32, CPU; built once
         per machine in about a second): the fastest CPU path. Not together with compile.
-    Generation ends when every row stopped or after max_new_tokens steps.
+    Generation ends when every row stopped or after max_new_tokens steps. Every argument and the
+    memory needed are checked first (check_generation): a refusal allocates nothing.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise GenerationError("Every prompt needs at least one token; got an empty prompt.")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}.")
-    if start_pos < 0:
-        raise GenerationError(f"start_pos must be a non-negative position, got {start_pos}.")
-    if compile and native:
-        raise GenerationError("compile and native are two decode paths; choose one of them.")
+    capacity = check_generation(
+        model,
+        prompts,
+        max_new_tokens,
+        start_pos=start_pos,
+        cache_len=cache_len,
+        compile=compile,
+        native=native,
+    )
     device = model.embed.weight.device
     n, batch = max(map(len, prompts)), len(prompts)
-    capacity = cache_capacity(n, max_new_tokens, cache_len)
     idx, position_ids, key_mask = left_pad(prompts, start_pos, capacity, device)
     cache = KVCache.for_model(
         model.config,
@@ -346,6 +414,25 @@ class TextStream:
 # ----------------------------------------------------------------------------- scoring
 
 
+def check_scoring(
+    model: Llama, n_tokens: int, chunk: int, start_pos: int = 0, knob: str = "chunk or the number of tokens"
+) -> None:
+    """`score_tokens`' options and the memory it needs to predict `n_tokens` tokens (its cache of
+    n_tokens slots, ids, positions and losses, and a chunk's forward with a mask over every key and
+    the float32 log-softmax of its logits), checked before anything is allocated; `knob` names the
+    options to lower in the refusal."""
+    check_integer("chunk", chunk, 1)
+    check_positions(start_pos, n_tokens)
+    dtype, chunk_len = model.embed.weight.dtype, min(chunk, n_tokens)
+    nbytes = (
+        KVCache.bytes_for_model(model.config, 1, n_tokens, dtype)
+        + (8 + 8 + 4) * n_tokens
+        + forward_bytes(model.config, 1, chunk_len, dtype, mask_keys=n_tokens if n_tokens > chunk else 0)
+        + 4 * model.config.vocab_size * chunk_len
+    )
+    check_fits(nbytes, f"scoring {n_tokens:,} tokens in chunks of {chunk:,}", knob, model.embed.weight.device)
+
+
 @torch.inference_mode()
 def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int = 0) -> torch.Tensor:
     """Teacher-forced per-token loss, streamed through the KV cache `chunk` tokens at a time.
@@ -358,12 +445,11 @@ def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int 
         raise GenerationError(
             f"Scoring needs a 1-D sequence of at least 2 tokens, got shape {tuple(tokens.shape)}."
         )
-    if chunk < 1:
-        raise GenerationError(f"chunk must be a positive number of tokens, got {chunk}.")
+    n = tokens.numel() - 1  # predictions
+    check_scoring(model, n, chunk, start_pos)
     device = model.embed.weight.device
     tokens = tokens.to(device)
     inputs, targets = tokens[:-1], tokens[1:]
-    n = inputs.numel()
     position_ids = torch.arange(start_pos, start_pos + n, device=device)
     cache = KVCache.for_model(
         model.config, 1, n, device=device, dtype=model.embed.weight.dtype, rope_seq_len=start_pos + n

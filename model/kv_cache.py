@@ -13,6 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from inference.memory import check_fits
+
+
+def cache_bytes(
+    n_layers: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of a KVCache: k and v of every layer, 2 * n_layers * (B, n_kv_heads, capacity, head_dim),
+    plus its int64 slot index."""
+    return 2 * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize + 8 * capacity
+
 
 class CacheFullError(ValueError):
     """Raised when a forward would write past the cache capacity."""
@@ -34,6 +44,12 @@ class KVCache:
         (None = the largest position seen so far); fixed so keys already cached stay consistent."""
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be a positive number of tokens, got {capacity}.")
+        check_fits(
+            cache_bytes(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype),
+            f"a KV cache of {batch_size} x {capacity:,} tokens",
+            "the cache capacity or the batch size",
+            device,
+        )
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         # One tensor per layer (not one stacked tensor): a compiled step then writes in place,
         # where a write into a view of a shared buffer is copied whole by inductor.
@@ -58,6 +74,11 @@ class KVCache:
             dtype=dtype or torch.float32,
             rope_seq_len=rope_seq_len,
         )
+
+    @staticmethod
+    def bytes_for_model(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
+        """What `for_model` with these arguments allocates (cache_bytes for a ModelConfig)."""
+        return cache_bytes(config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim, dtype)
 
     @property
     def capacity(self) -> int:

@@ -8,16 +8,17 @@ from __future__ import annotations
 import csv
 import functools
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.checkpoint import LoadedCheckpoint
-from model.evaluation import CKPT_METHOD, matched_factor, method_rope
+from model.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
 from model.generation import override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,19 +46,48 @@ def require(cfg: DictConfig, keys: tuple[str, ...], usage: str) -> None:
             raise ValueError(f"No {key} given; pass {usage}.")
 
 
+def option_list(cfg: DictConfig, key: str, example: str) -> list:
+    """cfg[key] as a list; one sentence when the command line gave a single value instead."""
+    if not isinstance(cfg[key], ListConfig):
+        raise ValueError(f"{key} must be a list, e.g. {key}={example}, got {cfg[key]!r}.")
+    return list(cfg[key])
+
+
+def check_output_dir(path: str) -> None:
+    """One sentence unless `path` is, or can be created as, a directory this process can write to.
+    Creates nothing: the test file in the nearest existing directory is anonymous and removed."""
+    target = Path(path).absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == target else f"cannot be created: {existing} is a file"
+        raise ValueError(f"out={path} {where}; give a directory for the results.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"out={path} is not writable: creating a file in {existing} failed ({e.strerror}); "
+            "give another directory."
+        ) from None
+
+
 def check_common(cfg: DictConfig) -> None:
     """Options shared by the scripts, checked before the (slow) checkpoint load."""
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
     if OmegaConf.is_missing(cfg, "out"):
         raise ValueError("No output directory given; pass out=<directory for the results>.")
-    lengths = list(cfg.lengths)
-    if not lengths or any(not isinstance(t, int) or t < 2 for t in lengths):
+    lengths = option_list(cfg, "lengths", "[256,1024]")
+    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
         raise ValueError(f"lengths must be a non-empty list of integers >= 2, got {lengths}.")
-    if not list(cfg.methods):
+    methods = option_list(cfg, "methods", "[none,yarn]")
+    if not methods:
         raise ValueError(
             "methods is empty; give e.g. methods=[none,yarn] (ckpt = the checkpoint's own RoPE)."
         )
+    for method in methods:
+        check_method(str(method))
+    check_output_dir(str(cfg.out))
     if cfg.factor != "matched" and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     if cfg.threads is not None:

@@ -31,6 +31,7 @@ from model.evaluation import (
     split_windows,
     window_losses,
 )
+from model.generation import check_integer, check_scoring
 from scripts.common import (
     CONFIGS,
     check_common,
@@ -159,6 +160,7 @@ def plot_loss_vs_position(curves: list[dict], train_len: int, path: Path) -> Non
 
 def check_options(cfg: DictConfig) -> None:
     check_common(cfg)
+    check_integer("chunk", cfg.chunk, 1)
     if cfg.bootstrap not in ("window", "document"):
         raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
     if cfg.max_windows is not None and cfg.max_windows < 1:
@@ -173,6 +175,7 @@ def check_options(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> list[dict]:
     check_options(cfg)
     ckpt, _ = load(cfg)
+    check_scoring(ckpt.model, max(cfg.lengths), cfg.chunk, knob="lengths or chunk")  # before loading data
     methods = method_names(cfg.methods, ckpt)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
     rows, curves = evaluate_grid(cfg, ckpt, methods, documents)

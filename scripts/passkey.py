@@ -27,9 +27,18 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from generate import load
+from inference.memory import check_fits
 from model.evaluation import continuation_logprobs
-from model.generation import GREEDY, generate
-from scripts.common import CONFIGS, check_common, method_names, method_ropes, one_sentence_errors, write_csv
+from model.generation import GREEDY, check_integer, generate, generation_bytes
+from scripts.common import (
+    CONFIGS,
+    check_common,
+    method_names,
+    method_ropes,
+    one_sentence_errors,
+    option_list,
+    write_csv,
+)
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -146,15 +155,35 @@ def plot_heatmaps(table: list[dict], method: str, chance: float, path: Path) -> 
     plt.close(fig)
 
 
+def check_memory(model, cfg: DictConfig) -> None:
+    """Refuse the longest length before any prompt is built: each cell greedily answers `trials`
+    prompts in one batch (left padded: the keys' digits tokenize to different lengths)."""
+    longest = max(cfg.lengths)
+    nbytes = generation_bytes(
+        model.config,
+        cfg.trials,
+        longest,
+        longest + cfg.max_new_tokens,
+        model.embed.weight.dtype,
+        padded=True,
+        native=False,
+    )
+    prompt_lists = 8 * cfg.trials * longest  # a list slot per token; the filler's ints are shared objects
+    what = f"answering {cfg.trials} passkey prompts of {longest:,} tokens"
+    check_fits(nbytes + prompt_lists, what, "lengths or trials", model.embed.weight.device)
+
+
 @torch.inference_mode()
 def run(cfg: DictConfig) -> list[dict]:
     check_common(cfg)
-    if cfg.trials < 1 or cfg.candidates < 2:
-        raise ValueError(f"trials must be >= 1 and candidates >= 2, got {cfg.trials} and {cfg.candidates}.")
-    for d in cfg.depths:
-        if not 0 <= d <= 1:
-            raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d}.")
+    check_integer("trials", cfg.trials, 1)
+    check_integer("candidates", cfg.candidates, 2)
+    check_integer("max_new_tokens", cfg.max_new_tokens, 1)
+    for d in option_list(cfg, "depths", "[0,0.5,1]"):
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
+            raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load(cfg)
+    check_memory(ckpt.model, cfg)
     methods = method_names(cfg.methods, ckpt)
     rng = np.random.default_rng(cfg.seed)
     trials = []

@@ -249,17 +249,56 @@ def test_passkey_grid_writes_csv_and_heatmaps(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "script, args, message",
     [
-        ("eval_extrapolation.py", ["out=x"], "No checkpoint given"),
-        ("eval_extrapolation.py", ["ckpt=/nonexistent", "out=x"], "does not exist"),
-        ("passkey.py", ["ckpt=/nonexistent", "out=x", "depths=[1.5]"], "depths must lie in [0, 1]"),
+        ("eval_extrapolation.py", ["out={OUT}"], "No checkpoint given"),
+        ("eval_extrapolation.py", ["ckpt=/nonexistent", "out={OUT}"], "does not exist"),
+        ("passkey.py", ["ckpt=/nonexistent", "out={OUT}", "depths=[1.5]"], "depths must lie in [0, 1]"),
     ],
 )
-def test_cli_errors_are_one_sentence(script, args, message):
+def test_cli_errors_are_one_sentence(script, args, message, tmp_path):
+    args = [a.format(OUT=tmp_path / "out") for a in args]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, cwd="/"
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", [eval_extrapolation, passkey])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("methods=[none,pi]", "Unknown method 'pi'; valid methods are none, linear, "),
+        ("methods=yarn", "methods must be a list, e.g. methods=[none,yarn], got 'yarn'."),
+        ("lengths=[64,1]", "lengths must be a non-empty list of integers >= 2, got [64, 1]."),
+        ("lengths=64", "lengths must be a list, e.g. lengths=[256,1024], got 64."),
+        ("out={FILE}", "is a file; give a directory for the results."),
+        ("out={FILE}/results", "cannot be created: {FILE} is a file; give a directory for the results."),
+        (
+            "out=/proc/rope-llama/results",
+            "out=/proc/rope-llama/results is not writable: creating a file in /proc",
+        ),
+    ],
+)
+def test_options_are_refused_before_the_checkpoint_is_loaded(
+    script, override, message, tmp_path, monkeypatch
+):
+    """A bad method, length or output directory costs no checkpoint (nor data) load, and leaves no files."""
+
+    def no_load(cfg):
+        raise AssertionError("the checkpoint was loaded before the options were checked")
+
+    monkeypatch.setattr(script, "load", no_load)
+    file = tmp_path / "file"
+    file.write_text("")
+    name = "eval" if script is eval_extrapolation else "passkey"
+    cfg = compose_script(
+        name, "/nonexistent", tmp_path / "out", override.format(FILE=file)
+    )  # a later out= wins
+    with pytest.raises(ValueError) as refusal:
+        script.run(cfg)
+    assert message.format(FILE=file) in str(refusal.value)
+    assert list(tmp_path.iterdir()) == [file]
 
 
 def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from model.checkpoint import atomic_torch_save
 from model.config import ModelConfig
 from model.generation import (
     GREEDY,
+    Generation,
     GenerationError,
     SamplingConfig,
     TextStream,
@@ -77,10 +78,8 @@ def model(tok):
     return tiny(tok.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def run_dir(tok, model, tmp_path_factory):
-    """A run directory the CLI can load: checkpoints/last.ckpt + the tokenizer it records."""
-    d = tmp_path_factory.mktemp("run")
+def save_run(model: Llama, tok, directory: Path) -> Path:
+    """Make `directory` a run directory the CLIs can load: checkpoints/last.ckpt + the tokenizer it records."""
     atomic_torch_save(
         {
             "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
@@ -88,9 +87,14 @@ def run_dir(tok, model, tmp_path_factory):
             "tokenizer": {"path": tok.path, "sha256": tok.sha256},
             "train_max_len": L0,
         },
-        d / "checkpoints" / "last.ckpt",
+        directory / "checkpoints" / "last.ckpt",
     )
-    return d
+    return directory
+
+
+@pytest.fixture(scope="module")
+def run_dir(tok, model, tmp_path_factory):
+    return save_run(model, tok, tmp_path_factory.mktemp("run"))
 
 
 def no_cache_greedy(model: Llama, prompt: list[int], steps: int, start_pos: int = 0) -> list[int]:
@@ -111,7 +115,7 @@ def prompt_ids(tok, text: str) -> list[int]:
 # ----------------------------------------------------------------------------- engine
 
 
-@pytest.mark.parametrize("start_pos", [0, 100])
+@pytest.mark.parametrize("start_pos", [0, 100, 10**12])
 def test_greedy_identical_with_and_without_cache(model, tok, start_pos):
     prompt = prompt_ids(tok, "ROMEO: But soft")
     out = generate(model, [prompt], 40, GREEDY, start_pos=start_pos)
@@ -270,16 +274,20 @@ def record_positions(model: Llama, monkeypatch) -> list[torch.Tensor]:
     return seen
 
 
-def test_start_pos_reaches_the_model_as_given(model, tok, monkeypatch):
+@pytest.mark.parametrize("start", [5000, 10**12])  # far positions: nothing is sized by start_pos
+def test_start_pos_reaches_the_model_as_given(model, tok, monkeypatch, start):
     prompts = [prompt_ids(tok, "ROMEO:"), prompt_ids(tok, "JULIET: O Romeo")]
     a, b = map(len, prompts)
     seen = record_positions(model, monkeypatch)
-    generate(model, prompts, 6, GREEDY, start_pos=5000)
+    generate(model, prompts, 6, GREEDY, start_pos=start)
     prefill, decode = seen[0], seen[1:]
-    assert prefill.tolist() == [[5000] * (b - a) + list(range(5000, 5000 + a)), list(range(5000, 5000 + b))]
+    assert prefill.tolist() == [
+        [start] * (b - a) + list(range(start, start + a)),
+        list(range(start, start + b)),
+    ]
     assert len(decode) == 5  # the 6th token is sampled, never fed back
     for step, pos in enumerate(decode):
-        assert pos.tolist() == [[5000 + a + step], [5000 + b + step]]
+        assert pos.tolist() == [[start + a + step], [start + b + step]]
 
 
 def test_start_pos_changes_the_output(tok):
@@ -529,6 +537,34 @@ CLI_ERRORS = {  # args ({CKPT} = the good run dir, ...) -> the sentence on stder
     "top_p": (["ckpt={CKPT}", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
     "temperature": (["ckpt={CKPT}", "prompt=x", "temperature=-1"], "temperature must be >= 0"),
     "top_k": (["ckpt={CKPT}", "prompt=x", "top_k=-3"], "top_k must be >= 0"),
+    "negative start_pos": (
+        ["ckpt={CKPT}", "prompt=ROMEO", "start_pos=-1"],
+        "start_pos must be an integer >= 0",
+    ),
+    "start_pos past int64": (
+        ["ckpt={CKPT}", "prompt=ROMEO", "start_pos=9223372036854775800"],
+        "past the largest position id 9,223,372,036,854,775,807 (int64); lower start_pos.",
+    ),
+    "past the RoPE capacity": (  # refused by the RoPE during the prefill: still before the prompt is echoed
+        ["ckpt={CKPT}", "prompt=ROMEO", "rope=none", "rope.max_position=8"],
+        "beyond the RoPE capacity max_position=8",
+    ),
+    "max_new_tokens not a number": (
+        ["ckpt={CKPT}", "prompt=ROMEO", "max_new_tokens=many"],
+        "max_new_tokens must be an integer >= 1, got 'many'.",
+    ),
+    "cache_len not a number": (
+        ["ckpt={CKPT}", "prompt=ROMEO", "cache_len=big"],
+        "cache_len must be an integer",
+    ),
+    "num_samples": (
+        ["ckpt={CKPT}", "prompt=ROMEO", "num_samples=two"],
+        "num_samples must be an integer >= 1",
+    ),
+    "score chunk": (
+        ["ckpt={CKPT}", "mode=score", "text_file={BLANK_LINE}", "chunk=0"],
+        "chunk must be an integer",
+    ),
 }
 
 
@@ -540,8 +576,9 @@ def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsy
     paths["BLANK_LINE"].write_text("ROMEO:\n\nJULIET:\n")
     args, sentence = CLI_ERRORS[case]
     args = [a.format(**paths) for a in args]
-    code, _, err = run_main(args, monkeypatch, capsys)
+    code, out, err = run_main(args, monkeypatch, capsys)
     assert code == 2, err
+    assert out == ""  # a refusal prints no prompt before it
     assert err.startswith("error: ") and sentence in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -575,6 +612,28 @@ def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
     code, out, _ = run_main(args + ["native=true"], monkeypatch, capsys)  # the C decode step
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
+
+
+def test_cli_places_the_text_at_a_far_start_pos(run_dir, model, tok, tmp_path, monkeypatch, capsys):
+    """start_pos=10^12 samples and scores: nothing is sized by the position (a table up to it: terabytes)."""
+    far = generate(model, [prompt_ids(tok, "ROMEO:")], 20, eos_id=tok.eos_id, start_pos=10**12).tokens[0]
+    args = [f"ckpt={run_dir}", "prompt=ROMEO:", "greedy=true", "max_new_tokens=20", "start_pos=1000000000000"]
+    code, out, err = run_main(args, monkeypatch, capsys)
+    assert code == 0, err
+    assert out == "ROMEO:" + streamed_text(tok, far) + "\n"
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT)
+    args = [f"ckpt={run_dir}", "mode=score", f"text_file={text_file}", "start_pos=1000000000000"]
+    code, out, err = run_main(args, monkeypatch, capsys)
+    assert code == 0, err
+    assert "549755813888..1099511627776" in out  # the bucket [32 * 2^34, 32 * 2^35) holds 10^12
+
+
+def test_cli_echoes_the_prompt_when_nothing_is_generated(run_dir, monkeypatch, capsys):
+    """The prompt is echoed with the first new text; an eos as the first token still shows it."""
+    monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: Generation([[]], 3, 0.1, 0, 0.1))
+    code, out, _ = run_main([f"ckpt={run_dir}", "prompt=ROMEO:"], monkeypatch, capsys)
+    assert code == 0 and out == "ROMEO:\n"
 
 
 def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
