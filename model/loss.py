@@ -25,11 +25,10 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows):
+    def forward(ctx, hidden, weight, targets, chunk_rows, need_grad):
         n = hidden.shape[0]
         dtype = autocast_dtype(hidden)
         acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: float32 at least
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below
             h_all, w = hidden.to(dtype), weight.to(dtype)
             total = torch.zeros((), device=hidden.device, dtype=acc)
@@ -61,7 +60,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss / ctx.n  # d(mean)/d(sum), times the upstream gradient
-        return (grad_hidden * scale).to(ctx.dtypes[0]), (grad_weight * scale).to(ctx.dtypes[1]), None, None
+        return (
+            (grad_hidden * scale).to(ctx.dtypes[0]),
+            (grad_weight * scale).to(ctx.dtypes[1]),
+            None,
+            None,
+            None,
+        )
 
 
 def linear_cross_entropy(
@@ -78,4 +83,7 @@ def linear_cross_entropy(
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"{hidden.shape[0]} hidden rows but {targets.shape[0]} targets; they must match.")
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows)
+    # Decided here, not from ctx.needs_input_grad inside forward, which ignores no_grad/inference_mode:
+    # validation must not compute the head's gradients it would throw away.
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, need_grad)

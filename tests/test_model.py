@@ -175,6 +175,20 @@ def test_fused_loss_equals_cross_entropy_of_logits(chunk_rows):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows), ref.detach())
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_fused_loss_does_no_gradient_work_without_autograd(mode):
+    """Validation runs the loss under no_grad / inference_mode with parameters that require grad: only
+    the head's forward matmul may run (2 N C V flops), not the two gradient matmuls as well."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden = torch.randn(64, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    with mode(), FlopCounterMode(display=False) as counter:
+        linear_cross_entropy(hidden, weight, targets, chunk_rows=16)
+    assert counter.get_total_flops() == 2 * 64 * 16 * 50
+
+
 def test_training_and_inference_paths_give_the_same_logits():
     """With autograd on, RMSNorm, RoPE and SwiGLU run as custom autograd functions; without it
     (generation, evaluation) as plain ops. Both must compute the same logits."""
