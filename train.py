@@ -35,6 +35,8 @@ from model.checkpoint import (
 from model.config import ModelConfig
 from model.lightning import LitLlama, NonFiniteLossError
 from model.rope import RopeConfig
+from training.optim import check_optimizer_name
+from training.precision import resolve_precision
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
@@ -138,12 +140,20 @@ def check_max_steps(max_steps) -> None:
         )
 
 
+def build_trainer(trainer_cfg: DictConfig, **kwargs) -> L.Trainer:
+    """The Lightning Trainer of `trainer_cfg`, with precision=auto resolved for this machine (and said)."""
+    precision, why = resolve_precision(trainer_cfg.precision, trainer_cfg.accelerator)
+    print(f"Precision: {precision} ({why})")
+    return instantiate(trainer_cfg, precision=precision, **kwargs)
+
+
 def setup_run(cfg: DictConfig):
     """Everything before fit; every bad setting fails here with one sentence, before anything is written
     into the run directory."""
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # stderr is for errors only
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_max_steps(cfg.trainer.max_steps)
+    check_optimizer_name(cfg.optim.name)
     rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
     model_kwargs = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig(vocab_size=VOCAB_MULTIPLE, rope=rope, **model_kwargs)  # shape errors before any data work
@@ -188,7 +198,7 @@ def setup_run(cfg: DictConfig):
 
     sample = TextSample(tokenizer, run_dir, **OmegaConf.to_container(cfg.sample, resolve=True))
     logger = build_logger(cfg.logger, run_dir, cfg)
-    trainer = instantiate(
+    trainer = build_trainer(
         cfg.trainer,
         logger=logger,
         callbacks=build_callbacks(cfg.callbacks, run_dir, sample, log_lr=bool(logger)),

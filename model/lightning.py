@@ -1,4 +1,4 @@
-"""LightningModule: next-token loss, AdamW + warmup/cosine, throughput/MFU and bits-per-char logging."""
+"""LightningModule: next-token loss, AdamW or Muon + warmup/cosine, throughput/MFU and bits-per-char logging."""
 
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from model.config import ModelConfig
 from model.llama import Llama
+from training.optim import build_optimizer, warmup_cosine
 
 
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the run stops before a bad model can be checkpointed."""
-
-
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup from ~0 to 1, then cosine decay to `min_lr_ratio` at max_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
@@ -56,11 +49,15 @@ class LitLlama(L.LightningModule):
     def __init__(
         self,
         model_config: dict,
+        name: str = "adamw",
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
+        muon_lr: float = 0.02,
+        muon_momentum: float = 0.95,
+        muon_weight_decay: float = 0.0,
         max_steps: int = 1000,
         compile: bool = False,
         tokenizer: dict | None = None,
@@ -80,6 +77,12 @@ class LitLlama(L.LightningModule):
             tuple(betas),
         )
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.optimizer_name = name
+        self.muon = {
+            "muon_lr": muon_lr,
+            "muon_momentum": muon_momentum,
+            "muon_weight_decay": muon_weight_decay,
+        }
         self.compile_model = compile
         self.tokenizer_info = dict(tokenizer or {})
         self.train_max_len = train_max_len
@@ -143,17 +146,12 @@ class LitLlama(L.LightningModule):
         self.log("test/loss", self._loss(batch), on_epoch=True, sync_dist=True)
 
     def configure_optimizers(self):
-        # Weight decay on matrices only: norms' gains are never decayed (embeddings are matrices too).
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
         # Fused AdamW kernels exist for CUDA and CPU. Not under 16-mixed: its grad scaler must unscale the
         # gradients before they are clipped, and a fused step unscales them itself, too late for that.
         fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
+        optimizer = build_optimizer(
+            self.model, self.optimizer_name, self.lr, self.weight_decay, self.betas, fused, **self.muon
+        )
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps, self.min_lr_ratio)
         )

@@ -13,10 +13,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from model.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
-from model.lightning import matmul_dtype
+from model.lightning import LitLlama, matmul_dtype
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_logger, finish_wandb, run_summary, train
+from train import build_logger, build_trainer, finish_wandb, run_summary, train
+from training.optim import build_optimizer
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,9 @@ def options(group: str) -> list[str]:
 # ----------------------------------------------------------------------------- every config file
 
 
-@pytest.mark.parametrize("group", ["model", "rope", "data", "trainer", "logger", "callbacks", "experiment"])
+@pytest.mark.parametrize(
+    "group", ["model", "rope", "data", "trainer", "logger", "callbacks", "optim", "experiment"]
+)
 def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     for option in options(group):
@@ -52,13 +55,17 @@ def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatc
         cfg = compose_train(overrides, tmp_path / f"{group}-{option}")
         RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
         ModelConfig(vocab_size=256, rope=RopeConfig(), **OmegaConf.to_container(cfg.model, resolve=True))
+        lit = LitLlama(
+            ModelConfig(vocab_size=256, **OmegaConf.to_container(cfg.model)).to_dict(), **cfg.optim
+        )
+        build_optimizer(lit.model, lit.optimizer_name, lit.lr, lit.weight_decay, lit.betas, False, **lit.muon)
         datamodule = instantiate(cfg.data)  # constructs only; no download or preparation
         assert datamodule.max_len == cfg.data.max_len
         trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
         if trainer_cfg.get("strategy") in ("ddp", "fsdp") or trainer_cfg["accelerator"] == "gpu":
             assert trainer_cfg["_target_"] == "lightning.pytorch.Trainer"  # needs several devices / a GPU
         else:
-            trainer = instantiate(cfg.trainer, logger=build_logger(cfg.logger, tmp_path, cfg))
+            trainer = build_trainer(cfg.trainer, logger=build_logger(cfg.logger, tmp_path, cfg))
             assert trainer.max_steps == cfg.trainer.max_steps
             finish_wandb(trainer)  # a wandb run left open would be reused by later tests
 

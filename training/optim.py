@@ -1,0 +1,100 @@
+"""Optimizers for `optim=adamw|muon` and the learning-rate schedule.
+
+adamw: AdamW on every parameter, weight decay on matrices only (norm gains are never decayed).
+muon:  torch.optim.Muon on the hidden matrices of the blocks (attention and MLP projections), AdamW on
+       the rest: the embedding (tied with the LM head: a lookup table whose rows update independently,
+       which orthogonalised updates would mix) and the norm gains (vectors, which Muon cannot take).
+Both are one `torch.optim.Optimizer` to Lightning, so its closure, clipping, checkpointing and LR
+scheduler work unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to min_lr_ratio at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_optimizer_name(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer optim.name={name!r}; choose one of {', '.join(OPTIMIZERS)}.")
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """A 2-D weight inside a transformer block (q/k/v, output, gate/up, down projections)."""
+    return param.ndim == 2 and name.startswith("blocks.")
+
+
+def adamw_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices decayed, vectors (norm gains) not."""
+    return [
+        {"params": [p for _, p in named_params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named_params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on `hidden`, AdamW on `rest`, stepped together as one optimizer.
+
+    The inner optimizers' param-group dicts are this optimizer's groups (shared, not copied), so an LR
+    scheduler that scales `group["lr"]` scales Muon's and AdamW's own learning rates alike.
+    """
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+        self.muon, self.adamw = muon, adamw
+        super().__init__([*muon.param_groups, *adamw.param_groups], defaults={})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning's closure runs forward, backward and gradient clipping
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    fused: bool,
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
+    muon_weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """The optimizer `optim.name` names; `lr`, `betas` and `weight_decay` are AdamW's in both cases."""
+    check_optimizer_name(name)
+    named = list(model.named_parameters())
+    if name == "adamw":
+        return torch.optim.AdamW(adamw_groups(named, weight_decay), lr=lr, betas=betas, fused=fused)
+    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+    rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
+    # "original" scaling: the update's RMS grows with sqrt(rows/cols) as in Keller Jordan's Muon, so one
+    # muon_lr suits the square attention and the wide MLP matrices alike.
+    muon = torch.optim.Muon(
+        hidden, lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original"
+    )
+    adamw = torch.optim.AdamW(adamw_groups(rest, weight_decay), lr=lr, betas=betas, fused=fused)
+    return MuonWithAdamW(muon, adamw)
