@@ -71,14 +71,16 @@ def safe_load(path: str | os.PathLike, map_location="cpu", mmap: bool = False) -
     try:
         obj = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):  # a damaged pickle, not a forbidden object
+        # torch names the blocked callable of a crafted file; damaged bytes fail on an unknown opcode
+        # under the same "Weights only load failed" heading, so only a named callable means "crafted".
+        forbidden = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if "Weights only load failed" not in str(e) or forbidden is None:
             raise CheckpointError(
                 f"{p} is not a readable PyTorch checkpoint (truncated or foreign file)."
             ) from None
-        forbidden = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's message names the blocked callable
         raise CheckpointError(
-            f"Refusing to load {p}: it contains objects other than tensors and plain data"
-            f"{f' ({forbidden.group(1)})' if forbidden else ''}, and loading it could run code."
+            f"Refusing to load {p}: it contains objects other than tensors and plain data "
+            f"({forbidden.group(1)}), and loading it could run code."
         ) from None
     except Exception as e:  # torch raises many types for a truncated or foreign file; all mean the same
         detail = (str(e).splitlines() or [type(e).__name__])[0]

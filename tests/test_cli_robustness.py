@@ -1,0 +1,390 @@
+"""Every entry point against every class of bad input, as a user runs it: one table, one test.
+
+Each row runs `python train.py ...`, `python generate.py ...` or `python scripts/<x>.py ...` from the
+repository root and checks the exit code, the `error: ` line on stderr (never a traceback) and what must
+(not) have happened on disk. The deeper test of each guarantee lives elsewhere (docs/reliability.md);
+this table is the one place that shows every class of case side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from data.tokenizer import train_tokenizer
+from model.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
+from tests.helpers import CONFIGS, ROOT, small_corpus, tiny_overrides
+from tests.test_generate import TEXT, save_run, tiny
+from tests.test_reliability import crafted_checkpoint, refusal
+
+TRAIN, GENERATE = "train.py", "generate.py"
+EVAL, PASSKEY, STUDY = "scripts/eval_extrapolation.py", "scripts/passkey.py", "scripts/study.py"
+EXPORT_HF, IMPORT_HF, EXPORT_GGUF = "scripts/export_hf.py", "scripts/import_hf.py", "scripts/export_gguf.py"
+GGUF = (ROOT / EXPORT_GGUF).exists()  # being written in parallel: its row joins the table once it exists
+CLASSES = (
+    "bad numbers",
+    "huge sizes",
+    "corrupt or foreign files",
+    "self-overwrite",
+    "crafted pickles",
+    "crash",
+)
+CORRUPT_JSON = b'{"version": "1.0", "model"'  # a tokenizer.json cut off mid-file
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    script: str  # the entry point, relative to the repository root
+    args: str  # space-separated; {NAME} from the row's context (`context`, SETUPS); {TINY} = a tiny training
+    code: int  # the expected exit status
+    fragment: str  # in the last error line, or in a success row's output; {NAME} allowed, " ... " = any text
+    setup: str = ""  # SETUPS to run first, comma-separated
+    post: str = ""  # POST checks afterwards, comma-separated
+    lines: int = 1  # stderr lines of an error row, every one `error: ...`
+    kind: str = ""  # the class of case, set by `rows`
+
+
+def rows(kind: str, *members: Row) -> list[Row]:
+    return [dataclasses.replace(row, kind=kind) for row in members]
+
+
+# ----------------------------------------------------------------------------- the table
+
+ROWS = [
+    *rows("bad numbers",
+        Row("train-max-steps-negative", TRAIN, "{TINY} trainer.max_steps=-1", 2,
+            "trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got -1.",
+            post="no run dir"),
+        Row("train-rope-factor-below-one", TRAIN, "{TINY} rope=linear rope.factor=0.5", 2,
+            "rope factor must be >= 1 (1 = no scaling), got 0.5.", post="no run dir"),
+        Row("generate-top-p-2", GENERATE, "ckpt={RUN} prompt=ROMEO: top_p=2", 2,
+            "top_p must be in (0, 1] (1 = no nucleus filter), got 2.0.", post="nothing printed"),
+        Row("generate-max-new-tokens-negative", GENERATE, "ckpt={RUN} prompt=ROMEO: max_new_tokens=-1", 2,
+            "max_new_tokens must be an integer >= 1, got -1.", post="nothing printed"),
+        Row("generate-start-pos-negative", GENERATE, "ckpt={RUN} prompt=ROMEO: start_pos=-1", 2,
+            "start_pos must be an integer >= 0, got -1.", post="nothing printed"),
+        # {RUN} has no saved training config: had the data been loaded first, the sentence would say so
+        Row("eval-unknown-method", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[warp]", 2,
+            "Unknown method 'warp'; valid methods are none, linear, ", post="nothing written to out"),
+        Row("passkey-zero-trials", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] trials=0", 2,
+            "trials must be an integer >= 1, got 0.", post="nothing written to out"),
+    ),
+    # the tiny model's KV cache takes 512 bytes per token: 10^9 tokens are 512 GB, 10^10 are 5 TB
+    # (eval's 10^8 would be only 51 GB, which a large machine grants)
+    *rows("huge sizes",
+        Row("generate-billion-new-tokens", GENERATE, "ckpt={RUN} prompt=ROMEO: max_new_tokens=1000000000", 2,
+            "Generating 1,000,000,000 tokens after 1 prompt ... may be used (80% of the",
+            post="nothing printed"),
+        Row("passkey-ten-million-tokens", PASSKEY, "ckpt={RUN} out={OUT} lengths=[10000000] device=cpu", 2,
+            "passkey prompt ... of 10,000,000 tokens ... may be used (80% of the",
+            post="nothing written to out"),
+        Row("eval-ten-billion-tokens", EVAL, "ckpt={RUN} out={OUT} lengths=[10000000000] device=cpu", 2,
+            "Scoring ... 10,000,000,000 tokens ... may be used (80% of the", post="nothing written to out"),
+        Row("generate-start-pos-past-2-53", GENERATE,
+            "ckpt={RUN} prompt=ROMEO: start_pos=9007199254740990 max_new_tokens=4", 2,
+            "is beyond 2^53 - 1, the largest position RoPE keeps exact.", post="nothing printed"),
+        Row("generate-far-start-pos", GENERATE,
+            "ckpt={RUN} prompt=ROMEO: start_pos=1000000000000 max_new_tokens=4 greedy=true", 0,
+            "generated tokens: 4", post="prompt and new text printed"),
+    ),
+    *rows("corrupt or foreign files",
+        Row("generate-truncated-ckpt", GENERATE, "ckpt={TRUNCATED} prompt=ROMEO:", 2,
+            "{TRUNCATED} is not a readable PyTorch checkpoint (truncated or foreign file)",
+            setup="truncated checkpoint", post="nothing printed"),
+        Row("generate-random-bytes-ckpt", GENERATE, "ckpt={RANDOM} prompt=ROMEO:", 2,
+            "{RANDOM} is not a readable PyTorch checkpoint (truncated or foreign file)",
+            setup="random-bytes checkpoint", post="nothing printed"),
+        Row("generate-corrupt-tokenizer", GENERATE, "ckpt={BAD_TOKENIZER_CKPT} prompt=ROMEO:", 2,
+            "{BAD_TOKENIZER} is not a readable tokenizer.json", setup="corrupt tokenizer",
+            post="nothing printed"),
+        Row("train-corrupt-tokenizer", TRAIN, "{TINY} data.tokenizer_path={BAD_TOKENIZER}", 2,
+            "{BAD_TOKENIZER} is not a readable tokenizer.json", setup="corrupt tokenizer", post="no run dir"),
+        Row("import-hf-corrupt-safetensors", IMPORT_HF, "hf_dir={HF} out={OUT}/model.ckpt", 2,
+            "{HF}/model.safetensors is not a readable safetensors file (truncated or foreign)",
+            setup="hf copy, corrupt safetensors", post="nothing written to out"),
+        Row("import-hf-corrupt-tokenizer", IMPORT_HF, "hf_dir={HF} out={OUT}/model.ckpt", 2,
+            "{HF}/tokenizer.json is not a readable tokenizer.json",
+            setup="hf copy, corrupt hf tokenizer", post="nothing written to out"),
+        Row("train-corrupt-token-cache", TRAIN, "{TINY} trainer.max_steps=2", 0,
+            "train.bin does not match its content hash); rebuilding it.",
+            setup="corrupt token cache", post="token cache rebuilt"),
+    ),
+    *rows("self-overwrite",
+        Row("export-hf-into-its-run-dir", EXPORT_HF, "ckpt={VICTIM} out={VICTIM} overwrite=true", 2,
+            "out={VICTIM} overlaps {VICTIM}, the run directory of the checkpoint being exported",
+            setup="run copy", post="checkpoint still loads"),
+        Row("import-hf-into-its-hf-dir", IMPORT_HF, "hf_dir={HF} out={HF}/model.ckpt overwrite=true", 2,
+            "out={HF}/model.ckpt overlaps hf_dir={HF}, the directory being imported",
+            setup="hf copy", post="hf dir unchanged"),
+    ),
+    # a checkpoint whose unpickling would run `touch {MARKER}`; {REFUSAL} names posix.system
+    *rows("crafted pickles",
+        Row("train-ckpt-path-crafted", TRAIN, "{TINY} ckpt_path={EVIL}", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, no run dir"),
+        Row("train-init-from-crafted", TRAIN, "{TINY} init_from={EVIL}", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, no run dir"),
+        Row("generate-crafted", GENERATE, "ckpt={EVIL} prompt=ROMEO:", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, nothing printed"),
+        Row("export-hf-crafted", EXPORT_HF, "ckpt={EVIL} out={OUT}", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, nothing written to out"),
+        Row("eval-crafted", EVAL, "ckpt={EVIL} out={OUT} lengths=[32]", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, nothing written to out"),
+        Row("passkey-crafted", PASSKEY, "ckpt={EVIL} out={OUT} lengths=[32]", 2, "{REFUSAL}",
+            setup="crafted pickle", post="marker never created, nothing written to out"),
+        # study runs each step as a subprocess: the step's own error line, then the study's naming the step
+        Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} smoke=true", 2,
+            "step 'eval base' failed; fix it and re-run the same command to resume.", lines=2,
+            setup="crafted pickle",
+            post="marker never created, first line is the refusal, nothing written to out"),
+        *([Row("export-gguf-crafted", EXPORT_GGUF, "ckpt={EVIL} out={OUT}/m.gguf", 2, "{REFUSAL}",
+               setup="crafted pickle", post="marker never created, nothing written to out")] if GGUF else []),
+    ),
+    # the step-10 text sample (40 tokens, past max_len=32) grows the shared RoPE table under
+    # inference_mode; step 11 trains on that table ('Inference tensors cannot be saved for backward')
+    *rows("crash",
+        Row("train-sample-longer-than-max-len", TRAIN, "{TINY} sample.max_new_tokens=40", 0,
+            "Final validation: val/loss=", post="trained 20 steps"),
+    ),
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- shared files
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> Path:
+    """The tiny model of tests/test_generate.py saved as a run directory (checkpoints/last.ckpt); rows
+    only read it."""
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok = train_tokenizer([TEXT] * 4, vocab_size=300, path=str(path))
+    return save_run(tiny(tok.vocab_size), tok, tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(good_run, tmp_path_factory) -> Path:
+    """good_run exported as a Hugging Face directory: import_hf's input; rows damage copies of it."""
+    from scripts.export_hf import export
+
+    return export(good_run, tmp_path_factory.mktemp("export") / "hf")
+
+
+def context(tmp_path: Path, request) -> dict:
+    """The placeholders every row can use; SETUPS add their own."""
+    run_dir = tmp_path / "run"
+    tiny_train = tiny_overrides(tmp_path, request.getfixturevalue("corpus")) + [f"hydra.run.dir={run_dir}"]
+    return {"TMP": tmp_path, "RUN": request.getfixturevalue("good_run"), "OUT": tmp_path / "out",
+            "RUN_DIR": run_dir, "TINY": tiny_train}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- setups
+
+
+def crafted_pickle(ctx: dict, request) -> None:
+    ctx["EVIL"], ctx["MARKER"] = crafted_checkpoint(ctx["TMP"])
+    ctx["REFUSAL"] = refusal(ctx["EVIL"])
+
+
+def truncated_checkpoint(ctx: dict, request) -> None:
+    good = (ctx["RUN"] / "checkpoints" / "last.ckpt").read_bytes()
+    ctx["TRUNCATED"] = ctx["TMP"] / "truncated.ckpt"
+    ctx["TRUNCATED"].write_bytes(good[: len(good) // 2])
+
+
+def random_bytes_checkpoint(ctx: dict, request) -> None:
+    ctx["RANDOM"] = ctx["TMP"] / "random.ckpt"
+    ctx["RANDOM"].write_bytes(random.Random(0).randbytes(4096))
+
+
+def corrupt_tokenizer(ctx: dict, request) -> None:
+    """A corrupt tokenizer.json, and a checkpoint recording exactly that file (path and hash), so the
+    tokenizer itself is read, not refused as changed."""
+    bad = ctx["BAD_TOKENIZER"] = ctx["TMP"] / "tokenizer.json"
+    bad.write_bytes(CORRUPT_JSON)
+    ckpt = safe_load(ctx["RUN"] / "checkpoints" / "last.ckpt")
+    ckpt["tokenizer"] = {"path": str(bad), "sha256": file_sha256(bad)}
+    ctx["BAD_TOKENIZER_CKPT"] = ctx["TMP"] / "bad_tokenizer.ckpt"
+    atomic_torch_save(ckpt, ctx["BAD_TOKENIZER_CKPT"])
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def hf_copy(ctx: dict, request) -> None:
+    ctx["HF"] = Path(shutil.copytree(request.getfixturevalue("hf_dir"), ctx["TMP"] / "hf"))
+    ctx["HF_FILES"] = snapshot(ctx["HF"])
+
+
+def corrupt_safetensors(ctx: dict, request) -> None:
+    (ctx["HF"] / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+
+
+def corrupt_hf_tokenizer(ctx: dict, request) -> None:
+    (ctx["HF"] / "tokenizer.json").write_bytes(CORRUPT_JSON)
+
+
+def run_copy(ctx: dict, request) -> None:
+    ctx["VICTIM"] = Path(shutil.copytree(ctx["RUN"], ctx["TMP"] / "victim"))
+    ctx["VICTIM_BYTES"] = (ctx["VICTIM"] / "checkpoints" / "last.ckpt").read_bytes()
+
+
+def corrupt_token_cache(ctx: dict, request) -> None:
+    """Build the token cache the row's training opens, then overwrite train.bin with random bytes of
+    the same size (a size check alone would pass)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from data.cache import prepare
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        data = compose("train", overrides=ctx["TINY"]).data  # the data settings train.py will see
+    source = OmegaConf.to_container(data.source, resolve=True)
+    cache = prepare(source, data.vocab_size, data.tokenizer_path, data.cache_dir, data.token_dtype)
+    ctx["TRAIN_BIN"] = Path(cache.dir) / "train.bin"
+    ctx["TRAIN_BIN_BYTES"] = ctx["TRAIN_BIN"].read_bytes()
+    ctx["TRAIN_BIN"].write_bytes(random.Random(0).randbytes(len(ctx["TRAIN_BIN_BYTES"])))
+
+
+SETUPS: dict[str, Callable[[dict, pytest.FixtureRequest], None]] = {
+    "crafted pickle": crafted_pickle,
+    "truncated checkpoint": truncated_checkpoint,
+    "random-bytes checkpoint": random_bytes_checkpoint,
+    "corrupt tokenizer": corrupt_tokenizer,
+    "hf copy": hf_copy,
+    "corrupt safetensors": corrupt_safetensors,
+    "corrupt hf tokenizer": corrupt_hf_tokenizer,
+    "run copy": run_copy,
+    "corrupt token cache": corrupt_token_cache,
+}
+
+
+# ----------------------------------------------------------------------------- post-conditions
+
+
+def absent(key: str) -> Callable[[dict, subprocess.CompletedProcess], None]:
+    def check(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+        assert not ctx[key].exists(), f"{ctx[key]} exists"
+
+    return check
+
+
+def nothing_printed(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert proc.stdout == ""  # a refusal prints no prompt before it
+
+
+def prompt_and_new_text_printed(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert proc.stdout.startswith("ROMEO:") and len(proc.stdout.strip()) > len("ROMEO:"), proc.stdout
+
+
+def hf_dir_unchanged(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert snapshot(ctx["HF"]) == ctx["HF_FILES"]
+
+
+def checkpoint_still_loads(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert (ctx["VICTIM"] / "checkpoints" / "last.ckpt").read_bytes() == ctx["VICTIM_BYTES"]
+    assert load_checkpoint(ctx["VICTIM"]).model.num_parameters() > 0
+    assert [p.name for p in ctx["VICTIM"].iterdir()] == ["checkpoints"]  # nothing written beside it
+
+
+def first_line_is_the_refusal(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert proc.stderr.splitlines()[0] == f"error: {ctx['REFUSAL']}"
+
+
+def trained_steps(steps: int) -> Callable[[dict, subprocess.CompletedProcess], None]:
+    def check(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+        assert safe_load(ctx["RUN_DIR"] / "checkpoints" / "last.ckpt")["global_step"] == steps
+
+    return check
+
+
+def token_cache_rebuilt(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert ctx["TRAIN_BIN"].read_bytes() == ctx["TRAIN_BIN_BYTES"]  # the tokens from before the damage
+    trained_steps(2)(ctx, proc)
+
+
+POST: dict[str, Callable[[dict, subprocess.CompletedProcess], None]] = {
+    "no run dir": absent("RUN_DIR"),
+    "nothing written to out": absent("OUT"),
+    "marker never created": absent("MARKER"),
+    "nothing printed": nothing_printed,
+    "prompt and new text printed": prompt_and_new_text_printed,
+    "hf dir unchanged": hf_dir_unchanged,
+    "checkpoint still loads": checkpoint_still_loads,
+    "first line is the refusal": first_line_is_the_refusal,
+    "trained 20 steps": trained_steps(20),
+    "token cache rebuilt": token_cache_rebuilt,
+}
+
+
+# ----------------------------------------------------------------------------- the test
+
+
+def names(listing: str) -> list[str]:
+    return [name.strip() for name in listing.split(",") if name.strip()]
+
+
+def command_line(row: Row, ctx: dict) -> list[str]:
+    """The row's arguments with placeholders filled (split first: a path never splits an argument)."""
+    args = []
+    for template in row.args.split():
+        args += ctx["TINY"] if template == "{TINY}" else [template.format(**ctx)]
+    return args
+
+
+def run_entry_point(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """`python <script> <args>` from the repository root, as a user runs it (one thread: tiny models)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_entry_point(row: Row, tmp_path, request):
+    ctx = context(tmp_path, request)
+    for name in names(row.setup):
+        SETUPS[name](ctx, request)
+    proc = run_entry_point(row.script, command_line(row, ctx))
+    fragment = re.compile(".*".join(re.escape(part) for part in row.fragment.format(**ctx).split(" ... ")))
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if row.code == 0:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert fragment.search(proc.stdout + proc.stderr), proc.stdout[-3000:]
+    else:
+        assert proc.returncode == row.code, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()
+        assert len(lines) == row.lines and all(line.startswith("error: ") for line in lines), proc.stderr
+        assert fragment.search(lines[-1]), proc.stderr
+    for name in names(row.post):
+        POST[name](ctx, proc)
+
+
+def test_the_table_has_every_class_and_a_crafted_pickle_for_every_checkpoint_reader():
+    """A row deleted by mistake shows here."""
+    assert {row.kind for row in ROWS} == set(CLASSES)
+    readers = {
+        (row.script, arg.split("=")[0])
+        for row in ROWS
+        if row.kind == "crafted pickles"
+        for arg in row.args.split()
+        if "{EVIL}" in arg
+    }
+    expected = {(TRAIN, "ckpt_path"), (TRAIN, "init_from"), (GENERATE, "ckpt"), (EXPORT_HF, "ckpt"),
+                (EVAL, "ckpt"), (PASSKEY, "ckpt"), (STUDY, "base_ckpt")}  # fmt: skip
+    assert readers == expected | ({(EXPORT_GGUF, "ckpt")} if GGUF else set())
+    assert len({row.id for row in ROWS}) == len(ROWS)
+    assert all(set(names(row.setup)) <= set(SETUPS) and set(names(row.post)) <= set(POST) for row in ROWS)
