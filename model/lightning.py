@@ -89,6 +89,7 @@ class LitLlama(L.LightningModule):
         self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
         self.log_every_n_steps = log_every_n_steps
         self._tokens_since, self._time_since, self._peak_flops = 0, None, None
+        self._fit_start: float | None = None
 
     def configure_model(self) -> None:
         if self.compile_model:
@@ -134,10 +135,15 @@ class LitLlama(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
         return loss
 
+    def on_train_start(self) -> None:
+        self._fit_start = time.perf_counter()
+
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is None:
             return
+        if self._fit_start is not None:  # wall-clock to this validation score: time to quality
+            self.log("time/train_s", time.perf_counter() - self._fit_start)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
         if self.chars_per_token:
             self.log("val/bpc", loss / math.log(2) / self.chars_per_token, prog_bar=True, sync_dist=True)

@@ -1,0 +1,136 @@
+"""Time to quality: wall-clock and tokens until the default job first reaches each validation score.
+
+    python scripts/time_to_quality.py                                   # adamw and muon, fp32 and bf16
+    python scripts/time_to_quality.py recipes=[muon-bf16] thresholds=[2.10,2.02] out=ttq.json
+
+Each recipe is `<optim>-<precision>` (optim: adamw | muon; precision: fp32 | bf16), trained by the real
+`train.py` in a subprocess on the default data and model with validation every `val_every` steps. The
+first validation at or below a threshold gives its training seconds (`time/train_s`, logged by the
+LightningModule from the start of fit), its step and its tokens; `total_s` is the whole command, from
+process start (imports, data preparation, the final checkpoint) to exit. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/time_to_quality.py`
+
+from omegaconf import OmegaConf
+
+from scripts.common import ROOT
+
+PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
+DEFAULTS = dict(
+    recipes=["adamw-fp32", "adamw-bf16", "muon-fp32", "muon-bf16"],
+    thresholds=[2.10, 2.02],
+    val_every=50,
+    out="runs/ttq/ttq.json",
+    extra=[],  # more train.py overrides for every recipe, e.g. extra=[trainer.max_steps=500]
+)
+
+
+def parse_args(argv: list[str]) -> dict:
+    args = dict(DEFAULTS)
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULTS:
+            raise SystemExit(
+                f"error: unknown option {item!r}; options are {', '.join(DEFAULTS)} (key=value)."
+            )
+        if isinstance(DEFAULTS[key], list):
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        args[key] = type(DEFAULTS[key])(value) if not isinstance(DEFAULTS[key], list) else value
+    args["thresholds"] = sorted((float(t) for t in args["thresholds"]), reverse=True)
+    for recipe in args["recipes"]:
+        optim, _, precision = recipe.partition("-")
+        if optim not in ("adamw", "muon") or precision not in PRECISIONS:
+            raise SystemExit(
+                f"error: unknown recipe {recipe!r}; use <adamw|muon>-<{'|'.join(PRECISIONS)}>, e.g. muon-bf16."
+            )
+    return args
+
+
+def first_reaching(rows: list[dict], threshold: float, tokens_per_step: int) -> dict | None:
+    """The first validation row with val/bpc <= threshold, as {step, tokens, train_s, bpc}."""
+    for row in rows:
+        if row.get("val/bpc") and float(row["val/bpc"]) <= threshold:
+            step = int(row["step"]) + 1  # Lightning logs the 0-based index of the last finished step
+            return dict(
+                step=step,
+                tokens=step * tokens_per_step,
+                train_s=round(float(row["time/train_s"]), 1),
+                bpc=round(float(row["val/bpc"]), 4),
+            )
+    return None
+
+
+def run_recipe(recipe: str, args: dict, workdir: Path) -> dict:
+    optim, _, precision = recipe.partition("-")
+    run_dir = workdir / recipe
+    overrides = [
+        f"optim={optim}",
+        f"trainer.precision={PRECISIONS[precision]}",
+        f"trainer.val_check_interval={args['val_every']}",
+        "callbacks.checkpoint.every_n_train_steps=100000",  # checkpoint saves are not what is timed
+        "sample.max_new_tokens=0",
+        "overwrite=true",
+        f"hydra.run.dir={run_dir}",
+        *args["extra"],
+    ]
+    print(f"[ttq] {recipe}: python train.py {' '.join(overrides)}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
+    total_s = time.perf_counter() - start
+    if proc.returncode != 0:
+        return {"recipe": recipe, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    with open(run_dir / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/bpc")]
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    tokens_per_step = cfg.data.batch_size * cfg.data.max_len * cfg.trainer.accumulate_grad_batches
+    reached = {f"{t:.2f}": first_reaching(rows, t, tokens_per_step) for t in args["thresholds"]}
+    return {
+        "recipe": recipe,
+        "total_s": round(total_s, 1),
+        "final_bpc": round(float(rows[-1]["val/bpc"]), 4) if rows else None,
+        "steps": int(rows[-1]["step"]) + 1 if rows else None,
+        "reached": reached,
+    }
+
+
+def markdown(results: list[dict], thresholds: list[float]) -> str:
+    head = "| recipe | " + " | ".join(f"to {t:.2f}: s (steps, M tokens)" for t in thresholds)
+    lines = [head + " | final val bpc | whole command s |", "|---" * (len(thresholds) + 3) + "|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['recipe']} | error: {r['error']} |")
+            continue
+        cells = []
+        for t in thresholds:
+            hit = r["reached"][f"{t:.2f}"]
+            cells.append(
+                "not reached"
+                if hit is None
+                else f"{hit['train_s']} ({hit['step']}, {hit['tokens'] / 1e6:.2f})"
+            )
+        lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {r['final_bpc']} | {r['total_s']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> list[dict]:
+    args = parse_args(argv)
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = [run_recipe(recipe, args, out.parent) for recipe in args["recipes"]]
+    out.write_text(json.dumps({"args": args, "results": results}, indent=2))
+    print(markdown(results, args["thresholds"]))
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

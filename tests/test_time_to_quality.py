@@ -1,0 +1,44 @@
+"""scripts/time_to_quality.py: the first validation reaching each threshold, from a real (tiny) run."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from scripts import time_to_quality as ttq
+from tests.helpers import small_corpus, tiny_overrides
+
+
+def test_first_reaching_takes_the_first_validation_at_or_below_the_threshold():
+    rows = [
+        {"step": "49", "val/bpc": "2.5", "time/train_s": "10.0"},
+        {"step": "99", "val/bpc": "2.09", "time/train_s": "20.5"},
+        {"step": "149", "val/bpc": "2.01", "time/train_s": "31.0"},
+    ]
+    assert ttq.first_reaching(rows, 2.10, 4096) == dict(step=100, tokens=409600, train_s=20.5, bpc=2.09)
+    assert ttq.first_reaching(rows, 2.01, 10)["step"] == 150  # "at or below"
+    assert ttq.first_reaching(rows, 2.0, 10) is None
+
+
+@pytest.mark.parametrize("bad", ["recipes=[sgd-fp32]", "recipes=[muon-fp8]", "speed=11"])
+def test_bad_options_are_one_sentence(bad):
+    with pytest.raises(SystemExit, match=r"^error: unknown (recipe|option)"):
+        ttq.parse_args([bad])
+
+
+def test_a_tiny_recipe_reports_time_steps_and_tokens(tmp_path):
+    corpus = small_corpus(tmp_path / "corpus")
+    extra = [o for o in tiny_overrides(tmp_path, corpus) if not o.startswith("trainer.val_check_interval")]
+    results = ttq.main(
+        ["recipes=[muon-fp32]", "thresholds=[99,0.1]", "val_every=5", f"out={tmp_path / 'ttq.json'}"]
+        + [f"extra=[{','.join(extra)}]"]
+    )
+    (result,) = results
+    assert "error" not in result, result
+    with open(tmp_path / "muon-fp32" / "metrics.csv") as f:
+        validations = [r for r in csv.DictReader(f) if r.get("val/bpc")]
+    assert len(validations) == 4  # 20 steps, validated every 5
+    first = result["reached"]["99.00"]  # every score is below 99: the first validation, after 5 steps
+    assert first["step"] == 5 and first["tokens"] == 5 * 8 * 32 and first["train_s"] > 0
+    assert result["reached"]["0.10"] is None and result["steps"] == 20
