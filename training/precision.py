@@ -1,8 +1,9 @@
 """`trainer.precision=auto`: bf16 matmuls where the hardware makes them faster than fp32, fp32 elsewhere.
 
 bf16-mixed keeps fp32 weights and optimizer state and runs the matmuls in bf16 (Lightning's autocast).
-That pays on CUDA devices with bf16 support and on CPUs with AMX tiles (Intel Sapphire Rapids and
-later: `amx_bf16` in /proc/cpuinfo); on other CPUs bf16 matmuls are emulated and slower than fp32.
+That pays on CUDA devices with bf16 support and on CPUs with bf16 matrix instructions: AMX tiles
+(Intel Sapphire Rapids and later: `amx_bf16` in /proc/cpuinfo) or AVX-512 BF16 dot products (AMD Zen 4
+and later, Intel Cooper Lake: `avx512_bf16`). On other CPUs bf16 matmuls are emulated and slower than fp32.
 Explicit values (32-true, bf16-mixed, 16-mixed, ...) are passed to Lightning unchanged.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 AUTO = "auto"
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # CPU instructions that multiply bf16 matrices natively
 
 
 def cpu_flags() -> set[str]:
@@ -49,6 +51,7 @@ def resolve_precision(requested: str | int, accelerator: str) -> tuple[str, str]
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             return "bf16-mixed", f"{torch.cuda.get_device_name()} multiplies bf16 matrices natively"
         return "32-true", "this CUDA device has no native bf16 matmuls"
-    if "amx_bf16" in cpu_flags():
-        return "bf16-mixed", "this CPU has AMX tiles (amx_bf16): bf16 matmuls are faster than fp32"
-    return "32-true", "this CPU has no AMX tiles: bf16 matmuls would be slower than fp32"
+    native = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags()]
+    if native:
+        return "bf16-mixed", f"this CPU multiplies bf16 matrices natively ({native[0]}): faster than fp32"
+    return "32-true", "this CPU has no bf16 matrix instructions (amx_bf16, avx512_bf16): fp32 is faster"

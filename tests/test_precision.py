@@ -1,0 +1,23 @@
+"""trainer.precision=auto: bf16-mixed where the hardware multiplies bf16 matrices natively."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "flags, accelerator, expected",
+    [
+        ({"avx2", "amx_bf16"}, "cpu", "bf16-mixed"),
+        ({"avx512f", "avx512_bf16"}, "cpu", "bf16-mixed"),
+        ({"avx2", "avx512f"}, "cpu", "32-true"),
+        (set(), "cpu", "32-true"),
+    ],
+)
+def test_auto_precision_follows_the_cpu(monkeypatch, flags, accelerator, expected):
+    import training.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    chosen, why = precision.resolve_precision("auto", accelerator)
+    assert chosen == expected and why
+    assert precision.resolve_precision("32-true", accelerator) == ("32-true", "set explicitly")
