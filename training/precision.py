@@ -53,5 +53,5 @@ def resolve_precision(requested: str | int, accelerator: str) -> tuple[str, str]
         return "32-true", "this CUDA device has no native bf16 matmuls"
     native = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags()]
     if native:
-        return "bf16-mixed", f"this CPU multiplies bf16 matrices natively ({native[0]}): faster than fp32"
+        return "bf16-mixed", f"{native[0]}: this CPU multiplies bf16 matrices natively, faster than fp32"
     return "32-true", "this CPU has no bf16 matrix instructions (amx_bf16, avx512_bf16): fp32 is faster"
