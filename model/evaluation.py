@@ -2,13 +2,14 @@
 
     rope = method_rope(ckpt.config.rope, "yarn", matched_factor(4096, 256), train_len=256)
     windows, docs = split_windows(documents, length=4096, max_windows=4)   # (W, 4097), (W,)
-    losses = window_losses(model, windows, chunk=1024)                    # (W, 4096) nats per token
+    losses = window_losses(model, windows, chunk=1024, batch=2)           # (W, 4096) nats per token
     loss, low, high = bootstrap_mean(losses.mean(1), groups=None, seed=0)  # point + 95% interval
 
 Windows are non-overlapping slices of T + 1 tokens (T predictions each) cut from the start of a
 document, so window 0 is the YaRN/PI protocol "first T tokens in one forward pass". Everything is
 teacher-forced through `score_tokens`: a chunked pass through the KV cache that equals one forward
-but never builds a T x T attention matrix, so 16x the training length fits in CPU memory.
+but never builds a T x T attention matrix, so 16x the training length fits in CPU memory; `batch`
+windows share each pass (a cache of `batch` rows), every row equal to scoring it alone.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from model.generation import override_rope, score_tokens
+from model.generation import left_pad, override_rope, score_tokens
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import SCALINGS, RopeConfig
@@ -74,37 +74,55 @@ def split_windows(
     return torch.stack(windows), torch.tensor(owners)
 
 
-def window_losses(model: Llama, windows: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Per-token loss of each window, every window starting at position 0.
+def rows_per_forward(batch_tokens: int, length: int) -> int:
+    """How many sequences of `length` tokens share one forward: as many as fit in `batch_tokens`
+    tokens, at least one."""
+    return max(1, batch_tokens // length)
+
+
+def window_losses(model: Llama, windows: torch.Tensor, chunk: int, batch: int = 1) -> torch.Tensor:
+    """Per-token loss of each window, every window starting at position 0, `batch` windows per
+    scoring pass (each row's losses equal scoring it alone).
 
     windows: (W, T + 1) ids -> (W, T) float32, loss[w, t] = -log p(x[t + 1] | x[:t + 1]).
     """
-    return torch.stack([score_tokens(model, w, chunk).cpu() for w in windows])
+    return torch.cat(
+        [score_tokens(model, windows[i : i + batch], chunk).cpu() for i in range(0, len(windows), batch)]
+    )
 
 
-def sliding_losses(model: Llama, tokens: torch.Tensor, length: int, stride: int, chunk: int) -> torch.Tensor:
+def sliding_losses(
+    model: Llama, tokens: torch.Tensor, length: int, stride: int, chunk: int, batch: int = 1
+) -> torch.Tensor:
     """Press-style sliding-window evaluation: windows of `length` tokens every `stride` tokens;
     each scores only the tokens no earlier window scored, so every prediction (after the first
     window) sees at least length - stride tokens of context, at positions below `length`.
+    The whole windows are scored `batch` per pass; a shorter last one (its own dynamic-NTK length) alone.
 
     tokens: (N + 1,) ids -> (N,) float32 losses aligned with tokens[1:].
     """
     if not 0 < stride <= length:
         raise ValueError(f"sliding_stride must be in [1, {length}] (the window length), got {stride}.")
     n = tokens.numel() - 1
-    losses = torch.empty(n)
-    scored = 0  # predictions [0, scored) are done
-    begin = 0
-    while scored < n:
-        end = min(begin + length, n)  # this window predicts tokens[begin + 1 : end + 1]
-        window = score_tokens(model, tokens[begin : end + 1], chunk).cpu()
-        losses[scored:end] = window[scored - begin :]
-        scored, begin = end, begin + stride
-    return losses
+    pieces, scored, begin = [], 0, 0  # predictions [0, scored) are done; the next window starts at begin
+    if n >= length:
+        whole = tokens.unfold(0, length + 1, stride)  # (K, length + 1): the windows that fit whole
+        losses = window_losses(model, whole, chunk, batch)  # (K, length)
+        pieces = [losses[0], losses[1:, length - stride :].flatten()]  # later windows: their last `stride`
+        scored, begin = (len(whole) - 1) * stride + length, len(whole) * stride
+    if scored < n:  # the last window reaches the end before filling `length`
+        pieces.append(score_tokens(model, tokens[begin:], chunk).cpu()[scored - begin :])
+    return torch.cat(pieces)
 
 
 def sliding_window_losses(
-    model: Llama, windows: torch.Tensor, owners: torch.Tensor, length: int, stride: int, chunk: int
+    model: Llama,
+    windows: torch.Tensor,
+    owners: torch.Tensor,
+    length: int,
+    stride: int,
+    chunk: int,
+    batch: int = 1,
 ) -> torch.Tensor:
     """`sliding_losses` over the span each document's windows cover, cut back into the windows.
 
@@ -114,7 +132,7 @@ def sliding_window_losses(
     for d in owners.unique(sorted=True):
         rows = windows[owners == d]  # consecutive windows of one document, sharing end tokens
         span = torch.cat([rows[:, :-1].flatten(), rows[-1, -1:]])  # (k * T + 1,)
-        out.append(sliding_losses(model, span, length, stride, chunk).view(len(rows), length))
+        out.append(sliding_losses(model, span, length, stride, chunk, batch).view(len(rows), length))
     return torch.cat(out)
 
 
@@ -164,32 +182,64 @@ def bucket_curve(curve: torch.Tensor, n_buckets: int) -> list[tuple[int, int, fl
 # ----------------------------------------------------------------------------- likelihood ranking
 
 
+def forward_groups(lengths: Sequence[int], rows: int, dynamic: bool) -> list[list[int]]:
+    """Indices of the sequences that share one forward, in order, at most `rows` at a time.
+
+    lengths: the length each sequence's dynamic-NTK frequencies are fixed for when it runs alone.
+    dynamic: the RoPE is dynamic NTK, whose frequencies depend on that length: then only sequences
+    of equal length share a forward, so every row computes exactly what it computes alone.
+    """
+    by_length: dict[int | None, list[int]] = {}
+    for i, length in enumerate(lengths):
+        by_length.setdefault(length if dynamic else None, []).append(i)
+    return [group[k : k + rows] for group in by_length.values() for k in range(0, len(group), rows)]
+
+
 @torch.inference_mode()
 def continuation_logprobs(
-    model: Llama, prompt: Sequence[int], candidates: Sequence[Sequence[int]]
-) -> list[float]:
-    """Sum of token log-probs of each candidate continuation after `prompt`, sharing one prefill.
+    model: Llama, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[Sequence[int]]]
+) -> list[list[float]]:
+    """Sum of token log-probs of each prompt's candidate continuations, sharing one prefill.
 
-    The prompt (n tokens, positions 0..n-1) is cached once; each candidate is then written into the
-    slots after it (the cache is rewound to n between candidates). Returns one float per candidate.
+    prompts: B token lists, left padded into one forward (row i at positions 0..n_i-1, as alone).
+    candidates: per prompt, C non-empty token lists (the same C for every prompt). Candidate c of
+    every row is written into the slots after the prompts in one forward; the cache is rewound to
+    the prompts between candidates. Dynamic NTK is fixed for the longest prompt + candidate of any
+    row, which is each row's own (as alone) when they all share it (`forward_groups`).
+    Returns B lists of C floats.
     """
+    counts = sorted({len(row) for row in candidates})
+    if len(candidates) != len(prompts) or len(counts) != 1:
+        raise ValueError(
+            f"Scoring continuations needs one candidate list per prompt, all of one size; got {len(prompts)} "
+            f"prompts and {len(candidates)} lists of sizes {counts}."
+        )
     device = model.embed.weight.device
-    n, longest = len(prompt), max(map(len, candidates))
+    n, longest = max(map(len, prompts)), max(len(c) for row in candidates for c in row)
+    idx, position_ids, key_mask = left_pad(prompts, 0, n + longest, device)
     cache = KVCache.for_model(
         model.config,
-        1,
+        len(prompts),
         n + longest,
         device=device,
         dtype=model.embed.weight.dtype,
-        rope_seq_len=n + longest,  # one dynamic-NTK length for the prompt and every candidate
+        rope_seq_len=max(len(p) + max(map(len, row)) for p, row in zip(prompts, candidates)),
     )
-    last = model(torch.tensor([prompt], device=device), kv_cache=cache)[0, -1]  # (V,) logits after the prompt
+    cache.key_mask = key_mask
+    last = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1:]  # (B, 1, V) after each prompt
     scores = []
-    for cand in candidates:
-        cache.rewind(n)  # the candidate overwrites the previous one's slots
-        ids = torch.tensor([cand], device=device)
-        logits = (
-            torch.cat([last[None], model(ids[:, :-1], kv_cache=cache)[0]]) if len(cand) > 1 else last[None]
-        )
-        scores.append(-float(F.cross_entropy(logits.float(), ids[0], reduction="sum")))
-    return scores
+    for column in zip(*candidates):  # candidate c of every prompt
+        cache.rewind(n)  # overwrites the previous candidates' slots
+        width = max(map(len, column))
+        # right padded: a slot after a row's candidate never changes the logits of its tokens
+        ids = torch.tensor([[*c, *[0] * (width - len(c))] for c in column], device=device)  # (B, width)
+        if width > 1:
+            after = model(ids[:, :-1], position_ids=position_ids[:, n : n + width - 1], kv_cache=cache)
+            logits = torch.cat([last, after], 1)  # (B, width, V): the logits predicting ids
+        else:
+            logits = last
+        logprobs = logits.float().log_softmax(-1).gather(-1, ids[..., None])[..., 0]  # (B, width)
+        sizes = torch.tensor([len(c) for c in column], device=device)
+        real = torch.arange(width, device=device) < sizes[:, None]  # (B, width): each row's own tokens
+        scores.append(logprobs.where(real, 0.0).sum(1))
+    return torch.stack(scores, 1).tolist()

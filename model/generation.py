@@ -3,7 +3,7 @@
     sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.95)
     out = generate(model, [[bos, *ids]], max_new_tokens=200, sampling=sampling, eos_id=eos, seed=0)
     out.tokens[0]                                    # the new token ids of row 0
-    losses = score_tokens(model, tokens, chunk=64)   # (T-1,) per-token NLL, teacher-forced
+    losses = score_tokens(model, tokens, chunk=64)   # (T-1,) per-token NLL, teacher-forced; (B, T) -> (B, T-1)
     buckets = position_buckets(losses, train_len=256)
 
 Positions are explicit: a prompt of n tokens is placed at RoPE positions start_pos..start_pos+n-1,
@@ -415,51 +415,63 @@ class TextStream:
 
 
 def check_scoring(
-    model: Llama, n_tokens: int, chunk: int, start_pos: int = 0, knob: str = "chunk or the number of tokens"
+    model: Llama,
+    n_tokens: int,
+    chunk: int,
+    start_pos: int = 0,
+    knob: str = "chunk or the number of tokens",
+    rows: int = 1,
 ) -> None:
-    """`score_tokens`' options and the memory it needs to predict `n_tokens` tokens (its cache of
-    n_tokens slots, ids, positions and losses, and a chunk's forward with a mask over every key and
-    the float32 log-softmax of its logits), checked before anything is allocated; `knob` names the
-    options to lower in the refusal."""
+    """`score_tokens`' options and the memory it needs to predict `n_tokens` tokens in each of `rows`
+    sequences (its cache of rows x n_tokens slots, ids, positions and losses, and a chunk's forward
+    over every row with a mask over every key and the float32 log-softmax of its logits), checked
+    before anything is allocated; `knob` names the options to lower in the refusal."""
     check_integer("chunk", chunk, 1)
     check_positions(start_pos, n_tokens)
     dtype, chunk_len = model.embed.weight.dtype, min(chunk, n_tokens)
     nbytes = (
-        KVCache.bytes_for_model(model.config, 1, n_tokens, dtype)
-        + (8 + 8 + 4) * n_tokens
-        + forward_bytes(model.config, 1, chunk_len, dtype, mask_keys=n_tokens if n_tokens > chunk else 0)
-        + 4 * model.config.vocab_size * chunk_len
+        KVCache.bytes_for_model(model.config, rows, n_tokens, dtype)
+        + (8 + 4) * rows * n_tokens  # int64 ids, float32 losses
+        + 8 * n_tokens  # int64 positions, shared by the rows
+        + forward_bytes(model.config, rows, chunk_len, dtype, mask_keys=n_tokens if n_tokens > chunk else 0)
+        + 4 * model.config.vocab_size * rows * chunk_len
     )
-    check_fits(nbytes, f"scoring {n_tokens:,} tokens in chunks of {chunk:,}", knob, model.embed.weight.device)
+    what = f"{rows:,} x {n_tokens:,}" if rows > 1 else f"{n_tokens:,}"
+    check_fits(nbytes, f"scoring {what} tokens in chunks of {chunk:,}", knob, model.embed.weight.device)
 
 
 @torch.inference_mode()
 def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int = 0) -> torch.Tensor:
     """Teacher-forced per-token loss, streamed through the KV cache `chunk` tokens at a time.
 
-    tokens: (T,) ids placed at positions start_pos..start_pos+T-1.
-    Returns (T-1,) float32: loss[i] = -log p(tokens[i+1] | tokens[:i+1]), predicted at position
-    start_pos+i. Equal to one full forward over tokens[:-1] (same positions, same dynamic-NTK length).
+    tokens: (T,) ids, or (B, T) ids scored together (one cache of B rows, B x chunk tokens per
+    forward); every row is placed at positions start_pos..start_pos+T-1.
+    Returns (T-1,) or (B, T-1) float32: loss[..., i] = -log p(tokens[..., i+1] | tokens[..., :i+1]),
+    predicted at position start_pos+i. Each row equals one full forward over its tokens[:-1] alone
+    (same positions, same dynamic-NTK length).
     """
-    if tokens.ndim != 1 or tokens.numel() < 2:
+    if tokens.ndim not in (1, 2) or tokens.shape[0] == 0 or tokens.shape[-1] < 2:
         raise GenerationError(
-            f"Scoring needs a 1-D sequence of at least 2 tokens, got shape {tuple(tokens.shape)}."
+            f"Scoring needs (T,) or (B, T) token ids with B >= 1 and T >= 2, got shape {tuple(tokens.shape)}."
         )
-    n = tokens.numel() - 1  # predictions
-    check_scoring(model, n, chunk, start_pos)
+    rows = tokens.reshape(-1, tokens.shape[-1])  # (B, T)
+    batch, n = rows.shape[0], rows.shape[1] - 1  # n predictions per row
+    check_scoring(model, n, chunk, start_pos, rows=batch)
     device = model.embed.weight.device
-    tokens = tokens.to(device)
-    inputs, targets = tokens[:-1], tokens[1:]
+    rows = rows.to(device)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
     position_ids = torch.arange(start_pos, start_pos + n, device=device)
     cache = KVCache.for_model(
-        model.config, 1, n, device=device, dtype=model.embed.weight.dtype, rope_seq_len=start_pos + n
+        model.config, batch, n, device=device, dtype=model.embed.weight.dtype, rope_seq_len=start_pos + n
     )
-    losses = torch.empty(n, device=device)
+    losses = torch.empty(batch, n, device=device)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        logits = model(inputs[None, s:e], position_ids=position_ids[s:e], kv_cache=cache)
-        losses[s:e] = F.cross_entropy(logits[0].float(), targets[s:e], reduction="none")
-    return losses
+        logits = model(inputs[:, s:e], position_ids=position_ids[s:e], kv_cache=cache)  # (B, e - s, V)
+        losses[:, s:e] = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets[:, s:e].flatten(), reduction="none"
+        ).view(batch, e - s)
+    return losses.view(*tokens.shape[:-1], n)
 
 
 @dataclass(frozen=True)

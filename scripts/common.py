@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from model.checkpoint import LoadedCheckpoint
 from model.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
-from model.generation import override_rope
+from model.generation import check_integer, override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (tests)
@@ -90,6 +90,7 @@ def check_common(cfg: DictConfig) -> None:
     check_output_dir(str(cfg.out))
     if cfg.factor != "matched" and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
+    check_integer("batch_tokens", cfg.batch_tokens, 1)
     if cfg.threads is not None:
         torch.set_num_threads(int(cfg.threads))
 

@@ -27,6 +27,7 @@ from model.evaluation import (
     bootstrap_mean,
     bucket_curve,
     perplexity,
+    rows_per_forward,
     sliding_window_losses,
     split_windows,
     window_losses,
@@ -88,13 +89,14 @@ def evaluate_grid(
         wins, owners = windows[length]
         rope, factor = method_ropes(cfg, ckpt, methods, length)[method]
         ckpt.model.set_rope(rope)
-        losses = window_losses(ckpt.model, wins, cfg.chunk)  # (W, T)
+        batch = rows_per_forward(cfg.batch_tokens, length)
+        losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
         keys = {"method": method, "length": length, "factor": factor}
         rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
         rows.append(metric_row("tail_ppl", losses[:, -train_len:].mean(1), owners, cfg, **keys))
         if cfg.sliding_stride is not None:
             stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
-            sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk)
+            sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
             rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
         for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
             curves.append({**keys, "start": start, "end": end, "loss": loss})
@@ -175,7 +177,10 @@ def check_options(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> list[dict]:
     check_options(cfg)
     ckpt, _ = load(cfg)
-    check_scoring(ckpt.model, max(cfg.lengths), cfg.chunk, knob="lengths or chunk")  # before loading data
+    for length in cfg.lengths:  # before loading data; a shorter length may score more rows at once
+        batch = rows_per_forward(cfg.batch_tokens, length)
+        knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
+        check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
     methods = method_names(cfg.methods, ckpt)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
     rows, curves = evaluate_grid(cfg, ckpt, methods, documents)

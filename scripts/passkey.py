@@ -28,7 +28,7 @@ from tqdm import tqdm
 from data.tokenizer import Tokenizer
 from generate import load
 from inference.memory import check_fits
-from model.evaluation import continuation_logprobs
+from model.evaluation import continuation_logprobs, forward_groups, rows_per_forward
 from model.generation import GREEDY, check_integer, generate, generation_bytes
 from scripts.common import (
     CONFIGS,
@@ -91,25 +91,52 @@ def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) ->
     return keys
 
 
-def run_cell(model, tok: Tokenizer, prompts: list[PasskeyPrompt], cfg: DictConfig, rng) -> list[dict]:
-    """Greedy answers (one left-padded batch) and likelihood ranks for the prompts of one cell."""
-    out = generate(model, [p.tokens for p in prompts], cfg.max_new_tokens, GREEDY, eos_id=tok.eos_id)
-    rows = []
-    for p, new in zip(prompts, out.tokens):
-        answer = tok.decode(new)
-        decoys = random_keys(rng, cfg.candidates - 1, exclude=p.key)
-        scores = continuation_logprobs(model, p.tokens, [tok.encode(f" {k}") for k in (p.key, *decoys)])
-        rows.append(
+def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: int) -> list[list[int]]:
+    """The continuations the ranking compares: the true key first, then count - 1 random decoys."""
+    return [tok.encode(f" {k}") for k in (key, *random_keys(rng, count - 1, exclude=key))]
+
+
+def answer_prompts(
+    model,
+    tok: Tokenizer,
+    prompts: list[PasskeyPrompt],
+    candidates: list[list[list[int]]],
+    max_new_tokens: int,
+    rows: int,
+) -> list[dict]:
+    """Greedy answers and likelihood ranks of `prompts`, `rows` prompts per forward (left padded);
+    candidates[i] are prompt i's continuations, its true key first. `forward_groups` keeps every
+    prompt's result equal to answering it alone."""
+    dynamic = model.rope.is_dynamic
+    answers: list[str] = [""] * len(prompts)
+    scores: list[list[float]] = [[] for _ in prompts]
+    for group in forward_groups([len(p.tokens) + max_new_tokens for p in prompts], rows, dynamic):
+        out = generate(model, [prompts[i].tokens for i in group], max_new_tokens, GREEDY, eos_id=tok.eos_id)
+        for i, new in zip(group, out.tokens):
+            answers[i] = tok.decode(new)
+    ranked_lengths = [len(p.tokens) + max(map(len, c)) for p, c in zip(prompts, candidates)]
+    for group in forward_groups(ranked_lengths, rows, dynamic):
+        logprobs = continuation_logprobs(
+            model, [prompts[i].tokens for i in group], [candidates[i] for i in group]
+        )
+        for i, row in zip(group, logprobs):
+            scores[i] = row
+    out_rows = []
+    for p, answer, (key_logprob, *decoy_logprobs) in zip(prompts, answers, scores):
+        rank = 1 + sum(d > key_logprob for d in decoy_logprobs)  # 1 = the key is the most likely (ties too)
+        out_rows.append(
             {
                 "tokens": len(p.tokens),
                 "depth_real": p.depth,
                 "key": p.key,
                 "answer": answer,
                 "greedy_correct": int(first_integer(answer) == p.key),
-                "rank_correct": int(int(np.argmax(scores)) == 0),  # the true key is candidate 0
+                "rank_correct": int(rank == 1),
+                "key_rank": rank,
+                "key_logprob": key_logprob,
             }
         )
-    return rows
+    return out_rows
 
 
 def accuracy_table(trials: list[dict]) -> list[dict]:
@@ -156,21 +183,27 @@ def plot_heatmaps(table: list[dict], method: str, chance: float, path: Path) -> 
 
 
 def check_memory(model, cfg: DictConfig) -> None:
-    """Refuse the longest length before any prompt is built: each cell greedily answers `trials`
-    prompts in one batch (left padded: the keys' digits tokenize to different lengths)."""
+    """Refuse the longest length before any prompt is built: its prompts (every depth's trials) are
+    held at once and answered `rows_per_forward` at a time in one left-padded batch (the keys' digits
+    may tokenize to different lengths)."""
     longest = max(cfg.lengths)
+    prompts = cfg.trials * len(cfg.depths)
+    rows = min(rows_per_forward(cfg.batch_tokens, longest), prompts)
     nbytes = generation_bytes(
         model.config,
-        cfg.trials,
+        rows,
         longest,
         longest + cfg.max_new_tokens,
         model.embed.weight.dtype,
         padded=True,
         native=False,
     )
-    prompt_lists = 8 * cfg.trials * longest  # a list slot per token; the filler's ints are shared objects
-    what = f"answering {cfg.trials} passkey prompts of {longest:,} tokens"
-    check_fits(nbytes + prompt_lists, what, "lengths or trials", model.embed.weight.device)
+    prompt_lists = 8 * prompts * longest  # a list slot per token; the filler's ints are shared objects
+    what = (
+        f"answering {prompts} passkey prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
+    )
+    knob = "lengths, trials or batch_tokens" if rows > 1 else "lengths or trials"
+    check_fits(nbytes + prompt_lists, what, knob, model.embed.weight.device)
 
 
 @torch.inference_mode()
@@ -179,7 +212,8 @@ def run(cfg: DictConfig) -> list[dict]:
     check_integer("trials", cfg.trials, 1)
     check_integer("candidates", cfg.candidates, 2)
     check_integer("max_new_tokens", cfg.max_new_tokens, 1)
-    for d in option_list(cfg, "depths", "[0,0.5,1]"):
+    depths = option_list(cfg, "depths", "[0,0.5,1]")
+    for d in depths:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load(cfg)
@@ -187,14 +221,19 @@ def run(cfg: DictConfig) -> list[dict]:
     methods = method_names(cfg.methods, ckpt)
     rng = np.random.default_rng(cfg.seed)
     trials = []
-    cells = [(t, d) for t in sorted(cfg.lengths) for d in cfg.depths]
-    for length, depth in tqdm(cells, desc="passkey", unit="cell"):
-        keys = random_keys(rng, cfg.trials)
-        prompts = [build_prompt(tok, length, depth, k) for k in keys]  # the same prompts for every method
+    for length in tqdm(sorted(cfg.lengths), desc="passkey", unit="length"):
+        prompt_depths, prompts, candidates = [], [], []  # the same prompts and decoys for every method
+        for depth in depths:
+            decoy_rng = np.random.default_rng([cfg.seed, length, round(depth * 100)])
+            for key in random_keys(rng, cfg.trials):
+                prompt_depths.append(depth)
+                prompts.append(build_prompt(tok, length, depth, key))
+                candidates.append(candidate_tokens(tok, key, decoy_rng, cfg.candidates))
+        rows = rows_per_forward(cfg.batch_tokens, length)
         for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
             ckpt.model.set_rope(rope)
-            cell_rng = np.random.default_rng([cfg.seed, length, round(depth * 100)])  # same decoys per method
-            for row in run_cell(ckpt.model, tok, prompts, cfg, cell_rng):
+            answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
+            for depth, row in zip(prompt_depths, answered):
                 trials.append({"method": method, "length": length, "depth": depth, "factor": factor, **row})
 
     out = Path(cfg.out)

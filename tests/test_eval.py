@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,18 +15,25 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from data.tokenizer import Tokenizer
+from inference import memory
+from inference.memory import MemoryBudgetError
 from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
 from model.evaluation import (
     bootstrap_mean,
     continuation_logprobs,
+    forward_groups,
     matched_factor,
     method_rope,
+    rows_per_forward,
     sliding_losses,
     split_windows,
     window_losses,
 )
-from model.generation import score_tokens
+from model.generation import check_scoring, score_tokens
 from model.lightning import LitLlama
+from model.llama import Llama
+from model.rope import RopeConfig
 from scripts import eval_extrapolation, passkey, study
 from scripts.common import datamodule_for, method_ropes
 from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
@@ -169,6 +177,73 @@ def test_sliding_window_scores_each_token_once_with_bounded_context(ckpt):
     assert not torch.allclose(slid[20:], plain[20:])  # more context changes the losses
 
 
+def random_model(scaling: str) -> Llama:
+    """A tiny random model with sharp logits, its RoPE scaled by 4 from L0."""
+    torch.manual_seed(0)
+    rope = method_rope(RopeConfig(original_max_len=L0), scaling, 4.0, L0)
+    config = ModelConfig(
+        vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.3, rope=rope
+    )
+    return Llama(config).eval()
+
+
+def one_window_at_a_time_sliding(model, tokens, length, stride, chunk) -> torch.Tensor:
+    """The sliding-window definition, one window per score_tokens call: each window scores the
+    predictions no earlier window scored."""
+    n, losses, scored, begin = tokens.numel() - 1, [], 0, 0
+    while scored < n:
+        end = min(begin + length, n)
+        losses.append(score_tokens(model, tokens[begin : end + 1], chunk)[scored - begin :])
+        scored, begin = end, begin + stride
+    return torch.cat(losses)
+
+
+@pytest.mark.parametrize("scaling", ["none", "linear", "dynamic_ntk", "yarn", "llama3"])
+def test_batched_scoring_equals_one_window_at_a_time(scaling):
+    model = random_model(scaling)
+    windows = torch.randint(0, 300, (7, 3 * L0 + 1))  # past L0: every scaling acts
+    alone = window_losses(model, windows, chunk=L0 - 5, batch=1)
+    for batch in (3, 7, 16):  # 7 windows: a short last batch, one batch, a batch larger than the windows
+        torch.testing.assert_close(window_losses(model, windows, L0 - 5, batch), alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(score_tokens(model, windows[2], L0 - 5), alone[2], atol=1e-5, rtol=0)
+    tokens = torch.randint(0, 300, (101,))
+    for stride in (5, 7, 20):  # 7: the last window is shorter than the others (its own dynamic-NTK length)
+        reference = one_window_at_a_time_sliding(model, tokens, 20, stride, chunk=8)
+        for batch in (1, 4):
+            torch.testing.assert_close(
+                sliding_losses(model, tokens, 20, stride, 8, batch), reference, atol=1e-5, rtol=0
+            )
+
+
+def test_scoring_memory_check_counts_every_row(monkeypatch):
+    model = random_model("none")
+    monkeypatch.setattr(memory, "available_memory", lambda device: 4 * 2**20)
+    check_scoring(model, 1000, 64)  # one row fits in 80% of 4 MiB ...
+    with pytest.raises(
+        MemoryBudgetError, match=r"^Scoring 8 x 1,000 tokens in chunks of 64 needs .*; lower chunk"
+    ):
+        check_scoring(model, 1000, 64, rows=8)  # ... eight do not
+    with pytest.raises(MemoryBudgetError, match=r"^Scoring 8 x 1,000 tokens"):
+        score_tokens(model, torch.zeros(8, 1001, dtype=torch.long), 64)
+    assert [rows_per_forward(4096, t) for t in (256, 1000, 4096, 8192)] == [16, 4, 1, 1]
+
+
+def test_a_batch_that_does_not_fit_is_refused_naming_batch_tokens(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "available_memory", lambda device: 16 * 2**20)
+    with pytest.raises(
+        MemoryBudgetError, match=r"^Scoring 1,000 x 1,000 tokens .*; lower lengths, chunk or batch_tokens\.$"
+    ):
+        eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[1000]", "batch_tokens=1000000"))
+    cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[1000]", "batch_tokens=1000000")
+    with pytest.raises(
+        MemoryBudgetError,
+        match=r"^Answering 25 passkey prompts of 1,000 tokens \(25 per forward\) needs .*; "
+        r"lower lengths, trials or batch_tokens\.$",
+    ):
+        passkey.run(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bootstrap_interval_contains_the_mean_and_is_seeded():
     values = torch.tensor([2.0, 2.5, 3.0, 4.0, 2.2, 3.3])
     mean, low, high = bootstrap_mean(values, seed=1)
@@ -223,10 +298,67 @@ def test_first_integer():
 def test_ranking_shares_one_prefill_and_matches_scoring(ckpt, tok):
     prompt = passkey.build_prompt(tok, 80, 0.5, 12345).tokens
     candidates = [tok.encode(f" {k}") for k in (12345, 99999, 4)]
-    ranked = continuation_logprobs(ckpt.model, prompt, candidates)
+    [ranked] = continuation_logprobs(ckpt.model, [prompt], [candidates])
     for cand, score in zip(candidates, ranked):
         reference = -float(score_tokens(ckpt.model, torch.tensor(prompt + cand), 64)[-len(cand) :].sum())
         assert score == pytest.approx(reference, abs=1e-4)
+
+
+def test_forward_groups_share_a_forward_only_at_one_dynamic_length():
+    assert forward_groups([5, 7, 5, 5, 7], rows=2, dynamic=False) == [[0, 1], [2, 3], [4]]
+    assert forward_groups([5, 7, 5, 5, 7], rows=2, dynamic=True) == [[0, 2], [3], [1, 4]]
+
+
+@pytest.mark.parametrize("method", ["none", "yarn", "dynamic_ntk"])
+def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
+    """Left-padded prompts of three lengths (each row's RoPE positions start at 0, as alone), key
+    continuations of different lengths: the greedy answer, rank and log-prob of every prompt are
+    the same batched as one at a time."""
+    model = load_checkpoint(run_dir).model  # its own copy: the RoPE is replaced
+    model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
+    rng = np.random.default_rng(0)
+    prompts = [
+        passkey.build_prompt(tok, length, 0.5, key)
+        for length, key in ((200, 12345), (320, 67890), (260, 24680))
+    ]
+    candidates = [passkey.candidate_tokens(tok, p.key, rng, 4) + [tok.encode(" 7")] for p in prompts]
+    assert len({len(p.tokens) for p in prompts}) == 3  # really padded
+    batched = passkey.answer_prompts(model, tok, prompts, candidates, max_new_tokens=6, rows=3)
+    alone = [
+        passkey.answer_prompts(model, tok, [p], [c], max_new_tokens=6, rows=1)[0]
+        for p, c in zip(prompts, candidates)
+    ]
+    for b, a in zip(batched, alone):
+        assert {k: v for k, v in b.items() if k != "key_logprob"} == {
+            k: v for k, v in a.items() if k != "key_logprob"
+        }
+        assert b["key_logprob"] == pytest.approx(a["key_logprob"], abs=1e-4)
+    scores_alone = [continuation_logprobs(model, [p.tokens], [c])[0] for p, c in zip(prompts, candidates)]
+    scores = continuation_logprobs(model, [p.tokens for p in prompts], candidates)  # one forward, padded
+    if method == "dynamic_ntk":  # its frequencies follow the longest row: why forward_groups splits them
+        assert not np.allclose(scores, scores_alone, atol=1e-4)
+    else:
+        np.testing.assert_allclose(scores, scores_alone, atol=1e-4)
+
+
+def test_passkey_results_equal_with_and_without_batching(run_dir, tmp_path):
+    """Every trial of the grid (answers, ranks, log-probs) is the same one prompt per forward
+    (batch_tokens=1) as with every prompt of a length in one forward."""
+    results = {}
+    for batch_tokens in (1, 100_000):
+        out = tmp_path / str(batch_tokens)
+        overrides = ("lengths=[48,100]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn]")
+        passkey.run(compose_script("passkey", run_dir, out, *overrides, f"batch_tokens={batch_tokens}"))
+        with open(out / "trials.csv") as f:
+            results[batch_tokens] = list(csv.DictReader(f))
+    one, batched = results[1], results[100_000]
+    assert len(one) == len(batched) == 2 * 2 * 3 * 3
+    for a, b in zip(one, batched):
+        assert {k: v for k, v in a.items() if k != "key_logprob"} == {
+            k: v for k, v in b.items() if k != "key_logprob"
+        }
+        assert float(a["key_logprob"]) == pytest.approx(float(b["key_logprob"]), abs=1e-4)
+        assert a["rank_correct"] == str(int(a["key_rank"] == "1"))
 
 
 def test_passkey_grid_writes_csv_and_heatmaps(run_dir, tmp_path, capsys):
@@ -272,6 +404,8 @@ def test_cli_errors_are_one_sentence(script, args, message, tmp_path):
         ("methods=yarn", "methods must be a list, e.g. methods=[none,yarn], got 'yarn'."),
         ("lengths=[64,1]", "lengths must be a non-empty list of integers >= 2, got [64, 1]."),
         ("lengths=64", "lengths must be a list, e.g. lengths=[256,1024], got 64."),
+        ("batch_tokens=0", "batch_tokens must be an integer >= 1, got 0."),
+        ("batch_tokens=many", "batch_tokens must be an integer >= 1, got 'many'."),
         ("out={FILE}", "is a file; give a directory for the results."),
         ("out={FILE}/results", "cannot be created: {FILE} is a file; give a directory for the results."),
         (

@@ -162,7 +162,7 @@ def test_generate_refuses_a_billion_new_tokens_before_printing_or_allocating(
 
 def test_passkey_refuses_ten_million_tokens_before_building_a_prompt(model_and_run, tmp_path):
     """A real process with the real available memory: the prompts alone would be gigabytes, their
-    padded prefill's attention mask petabytes."""
+    padded prefill's attention mask hundreds of terabytes."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [
@@ -179,8 +179,10 @@ def test_passkey_refuses_ten_million_tokens_before_building_a_prompt(model_and_r
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error: Answering 5 passkey prompts of 10,000,000 tokens needs ")
-    assert "PiB but at most " in proc.stderr and proc.stderr.endswith("; lower lengths or trials.\n")
+    assert proc.stderr.startswith(
+        "error: Answering 25 passkey prompts of 10,000,000 tokens (1 per forward) needs "
+    )
+    assert "TiB but at most " in proc.stderr and proc.stderr.endswith("; lower lengths or trials.\n")
     assert proc.stderr.count("\n") == 1 and not out.exists()
 
 
