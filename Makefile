@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow lint bench eval study
+.PHONY: help setup train test test-slow lint bench gguf eval study
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -28,7 +28,7 @@ train: setup ## Train the default small model on embedded Shakespeare (CPU, ~7 m
 test: setup ## Run the fast test suite (what CI runs)
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: setup ## Run every test, including the multi-minute ones marked `slow`
+test-slow: setup $(VENV)/.gguf-installed ## Run every test, including the multi-minute ones marked `slow` (installs the llama.cpp extra)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
 lint: setup ## Lint with ruff
@@ -40,7 +40,14 @@ $(VENV)/.bench-installed: requirements-bench.txt $(STAMP)
 	$(PY) -m pip install -q --no-deps -r requirements-bench.txt
 	touch $@
 
-bench: setup $(VENV)/.bench-installed ## Side-by-side speed vs transformers and litgpt (writes bench.json); ARGS="key=value ..."
+# pip compiles llama.cpp from source here, once (pip caches the wheel): tuned to this CPU, no multimodal library.
+$(VENV)/.gguf-installed: requirements-gguf.txt $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(PY) -m pip install -q -r requirements-gguf.txt
+	touch $@
+
+gguf: setup $(VENV)/.gguf-installed ## Install the llama.cpp extra (requirements-gguf.txt; compiles llama.cpp once)
+
+bench: setup $(VENV)/.bench-installed $(VENV)/.gguf-installed ## Side-by-side speed vs transformers, litgpt and llama.cpp (writes bench.json); ARGS="key=value ..."
 	$(PY) scripts/bench.py $(ARGS)
 
 eval: setup ## Perplexity vs length for every RoPE method; default ARGS="ckpt=runs/default out=runs/eval/default"

@@ -1,4 +1,4 @@
-"""Side-by-side speed of our Llama against transformers, litgpt and torchtune, in ONE process.
+"""Side-by-side speed of our Llama against transformers, litgpt, torchtune and llama.cpp, in ONE process.
 
     python scripts/bench.py                                   # full run: both shapes, eager + compile
     python scripts/bench.py compile=false shapes=[small]      # eager only, default shape only
@@ -6,7 +6,8 @@
     python scripts/bench.py device=cuda threads=16 out=gpu.json
 
 Every peer gets exactly our shape and, where it can load them, our weights (transformers through
-model/hf.py, litgpt through its own HF converter). Calls are interleaved (ours, peer, ours, peer, ...)
+model/hf.py, litgpt through its own HF converter, llama.cpp from an fp32 GGUF of scripts/export_gguf.py;
+llama.cpp only decodes, on the CPU in float32). Calls are interleaved (ours, peer, ours, peer, ...)
 and each number is a median, so a busy machine slows every side alike and the ratios stay meaningful;
 absolute numbers are only worth quoting from a quiet machine. Every ratio is ours / peer of a
 throughput: > 1 means we are faster. A peer that cannot be imported or compiled is reported, not fatal.
@@ -24,17 +25,20 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/bench.py`
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from data.tokenizer import train_tokenizer
 from model.config import ModelConfig
 from model.cpu_decode import NativeDecodeStep
 from model.generation import GREEDY, DecodeStep, generate
@@ -43,6 +47,7 @@ from model.kv_cache import KVCache
 from model.lightning import measure_matmul_peak
 from model.llama import Llama
 from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+from scripts.export_gguf import gguf_writer, save
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(
@@ -65,7 +70,7 @@ DEFAULTS = dict(
     matmul_n=2048,
     repeats=9,  # medians of 9 interleaved calls: run-to-run spread of a ratio was ~5% with 5
     warmup=2,
-    peers=["transformers", "litgpt", "torchtune"],
+    peers=["transformers", "litgpt", "torchtune", "llama.cpp"],
     device="auto",
     precision="auto",  # auto: bf16 on GPU, fp32 on CPU; bf16 on a CPU with AMX (bf16 matmuls ~6x fp32) is an option
     threads=None,
@@ -87,9 +92,20 @@ QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers ar
     repeats=2,
     warmup=1,
 )
-PEER_MODULES = {"transformers": "transformers", "litgpt": "litgpt", "torchtune": "torchtune.modules"}
-PEER_PACKAGES = {"transformers": "transformers", "litgpt": "litgpt", "torchtune": "torchtune"}
-MODEL_PEERS = ("transformers", "litgpt")  # full-model peers; torchtune only takes part in the RoPE op
+LLAMA_CPP = "llama.cpp"
+PEER_MODULES = {
+    "transformers": "transformers",
+    "litgpt": "litgpt",
+    "torchtune": "torchtune.modules",
+    LLAMA_CPP: "llama_cpp",
+}
+PEER_PACKAGES = {
+    "transformers": "transformers",
+    "litgpt": "litgpt",
+    "torchtune": "torchtune",
+    LLAMA_CPP: "llama-cpp-python",
+}
+MODEL_PEERS = ("transformers", "litgpt")  # full torch-model peers; torchtune only takes part in the RoPE op
 
 
 # ----------------------------------------------------------------------------- setup
@@ -243,6 +259,77 @@ def build_models(cfg: ModelConfig, peers: dict, device: torch.device, block_size
     return {side: m.to(device) for side, m in models.items()}
 
 
+def write_llama_cpp_gguf(model: Llama, workdir: Path) -> Path:
+    """An fp32 GGUF of `model` in a new folder under `workdir` (a loaded GGUF is memory-mapped, so no
+    file is ever rewritten), with a minimal byte-level tokenizer (the bench never tokenizes)."""
+    folder = Path(tempfile.mkdtemp(dir=workdir))
+    tokenizer = train_tokenizer(["bench"], vocab_size=260, path=str(folder / "tokenizer.json"))  # 2 merges
+    path = folder / "model.gguf"
+    save(gguf_writer(model.config, model.state_dict(), tokenizer, "f32", name="bench"), path)
+    return path
+
+
+class LlamaCppTwin:
+    """llama.cpp (llama-cpp-python) running a GGUF of our weights with our thread count and an fp32 KV
+    cache, as ours has. A greedy step is one llama_decode and an argmax of its logits, driven from
+    Python one token at a time as our decode loops are."""
+
+    def __init__(self, gguf_path: Path, n_ctx: int):
+        import llama_cpp
+
+        threads = torch.get_num_threads()
+        self.llm = llama_cpp.Llama(
+            str(gguf_path),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=llama_cpp.GGML_TYPE_F32,
+            type_v=llama_cpp.GGML_TYPE_F32,
+            verbose=False,
+        )
+        self._get_logits, self.n_vocab = llama_cpp.llama_get_logits, self.llm.n_vocab()
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last token evaluated (a view of llama.cpp's buffer)."""
+        return np.ctypeslib.as_array(self._get_logits(self.llm.ctx), shape=(self.n_vocab,))
+
+    def next_token(self, tokens: list[int]) -> int:
+        """Append `tokens` to the cache; the argmax of the last one's logits."""
+        self.llm.eval(tokens)
+        return int(self.last_logits().argmax())
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """(len(tokens), vocab) logits, one decode step per token from an empty cache."""
+        self.llm.reset()
+        rows = []
+        for token in tokens:
+            self.llm.eval([token])
+            rows.append(self.last_logits().copy())
+        return np.stack(rows)
+
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        """n greedy tokens after `prompt` (prefilled in one batch)."""
+        self.llm.reset()
+        out = [self.next_token(prompt)]
+        while len(out) < n:
+            out.append(self.next_token(out[-1:]))
+        return out
+
+    def step_at(self, ctx: int, token: int) -> int:
+        """One decode step with exactly `ctx` tokens cached (eval drops the cached positions >= ctx)."""
+        self.llm.n_tokens = ctx
+        return self.next_token([token])
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context now (its finalizer fails at interpreter exit)."""
+        self.llm.close()
+
+
+def llama_cpp_runs(args: dict, device: torch.device) -> bool:
+    """llama.cpp is timed against our CPU float32 paths only (the GGUF is fp32, the build CPU-only)."""
+    return device.type == "cpu" and compute_dtype(args, device) == torch.float32
+
+
 def logits_fn(side: str, model) -> Callable[[torch.Tensor], torch.Tensor]:
     if side == "transformers":
         return lambda idx: model(input_ids=idx, use_cache=False).logits
@@ -259,6 +346,16 @@ def parity(models: dict, vocab: int, device: torch.device) -> dict:
         for side, m in models.items()
         if side != "ours"
     }
+
+
+@torch.no_grad()
+def llama_cpp_parity(model: Llama, workdir: Path) -> float:
+    """Max |logits - ours| of llama.cpp decoding 16 tokens one by one from a GGUF of `model`."""
+    idx = torch.randint(model.config.vocab_size, (16,))
+    twin = LlamaCppTwin(write_llama_cpp_gguf(model, workdir), n_ctx=16)
+    theirs = twin.logits(idx.tolist())
+    twin.close()
+    return float((torch.from_numpy(theirs) - model.eval()(idx[None])[0]).abs().max())
 
 
 # ----------------------------------------------------------------------------- timing
@@ -376,10 +473,10 @@ def our_side(decoders: list[str], path: str) -> str:
 
 
 def generation_fns(
-    models: dict, prompt: torch.Tensor, decoders: list[str]
+    models: dict, prompt: torch.Tensor, decoders: list[str], llama_cpp: LlamaCppTwin | None = None
 ) -> dict[str, Callable[[int], object]]:
     """{side: fn(new_tokens)}: greedy batch-1 generation with each side's own generate and KV cache,
-    ours once per decode path (our_decoders)."""
+    ours once per decode path (our_decoders), llama.cpp through its decode loop (LlamaCppTwin)."""
     ours = models["ours"]
     fns = {
         our_side(decoders, path): lambda n, kwargs=DECODERS[path]: generate(
@@ -398,25 +495,33 @@ def generation_fns(
         gpt = models["litgpt"]
         gpt.set_kv_cache(batch_size=1, device=prompt.device)
         fns["litgpt"] = lambda n: litgpt_generate(gpt, prompt, prompt.numel() + n, temperature=0.0)
+    if llama_cpp is not None:
+        fns[LLAMA_CPP] = lambda n: llama_cpp.generate(prompt.tolist(), n)
     return fns
 
 
-def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
+def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device, llama_cpp_dir: Path | None) -> dict:
     """Prefill and decode tokens/s. Each side's prefill is timed as a 1-token generation, and decode
-    as the extra time of an N-token one, so the same method applies to every generate()."""
+    as the extra time of an N-token one, so the same method applies to every generate().
+    llama_cpp_dir: where llama.cpp's GGUF of the same model goes (None: llama.cpp is not timed)."""
     P, N = args["prompt_len"], args["new_tokens"]
     dtype = compute_dtype(args, device)
     models = build_models(cfg, peers, device, P + N, args["seed"])
     models = {side: m.eval().to(dtype) for side, m in models.items()}
     prompt = torch.randint(cfg.vocab_size, (P,), device=device)
     decoders = our_decoders(args, device)
-    fns = generation_fns(models, prompt, decoders)
+    twin = None
+    if llama_cpp_dir is not None:
+        twin = LlamaCppTwin(write_llama_cpp_gguf(models["ours"], llama_cpp_dir), n_ctx=P + N)
+    fns = generation_fns(models, prompt, decoders, twin)
 
     def timed(n):
         return {side: torch.inference_mode()(lambda f=f: f(n)) for side, f in fns.items()}
 
     first, errors = alternate(timed(1), args["repeats"], args["warmup"], device)
     full, errors_full = alternate(timed(N), args["repeats"], args["warmup"], device)
+    if twin is not None:
+        twin.close()
     both = first.keys() & full.keys()
     prefill = {side: P / first[side] for side in both}
     decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
@@ -438,20 +543,22 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device) -> dict:
 
 
 @torch.inference_mode()
-def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
+def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Path | None) -> dict:
     """Seconds per one-token step of each of our decode paths (our_decoders; the first is "ours")
-    with exactly `ctx` tokens in the cache, for each context. The cache is rewound to `ctx` before
-    every timed step, so each one decodes at the same context. Contexts (and paths) take turns in
-    blocks of `latency_block` consecutive steps: one context's consecutive steps are what a
-    generation does (its cache stays warm from step to step, where a step-by-step rotation over five
-    caches evicts it), and the turns still spread load drifts over all contexts."""
+    and of llama.cpp (llama_cpp_dir not None) with exactly `ctx` tokens in the cache, for each
+    context. The cache is rewound to `ctx` before every timed step, so each one decodes at the same
+    context. Contexts (and paths) take turns in blocks of `latency_block` consecutive steps: one
+    context's consecutive steps are what a generation does (its cache stays warm from step to step,
+    where a step-by-step rotation over five caches evicts it), and the turns still spread load
+    drifts over all contexts."""
     contexts, steps = args["contexts"], args["latency_steps"]
     block = max(1, min(args["latency_block"], steps))
     torch.manual_seed(args["seed"])
     dtype = compute_dtype(args, device)
     model = Llama(cfg).to(device).eval().to(dtype)
     paths = our_decoders(args, device)
-    caches, steppers, tokens = {}, {}, {}
+    gguf_path = None if llama_cpp_dir is None else write_llama_cpp_gguf(model, llama_cpp_dir)
+    caches, steppers, twins, tokens = {}, {}, {}, {}
     for ctx in contexts:
         capacity = ctx + 1  # the prompt and the one slot every timed step writes
         caches[ctx] = KVCache.for_model(cfg, 1, capacity, device=device, dtype=dtype, rope_seq_len=capacity)
@@ -462,33 +569,53 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device) -> dict:
                 if path == "native"
                 else DecodeStep(model, caches[ctx], positions, compile=path == "compiled")
             )
-        logits = model(torch.randint(cfg.vocab_size, (1, ctx), device=device), kv_cache=caches[ctx])
-        tokens[ctx] = logits[:, -1:].argmax(-1)
+        prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)
+        first = model(prompt, kv_cache=caches[ctx])[:, -1:].argmax(-1)
+        tokens |= {(ctx, path): first for path in paths}
+        if gguf_path is not None:
+            twins[ctx] = LlamaCppTwin(gguf_path, n_ctx=capacity)
+            tokens[ctx, LLAMA_CPP] = twins[ctx].next_token(prompt[0].tolist())
 
     def step(ctx: int, path: str) -> None:
+        if path == LLAMA_CPP:
+            tokens[ctx, path] = twins[ctx].step_at(ctx, tokens[ctx, path])
+            return
         caches[ctx].rewind(ctx)  # the step attends over exactly ctx cached tokens + itself
-        tokens[ctx] = steppers[ctx, path](tokens[ctx]).argmax(-1, keepdim=True)
+        tokens[ctx, path] = steppers[ctx, path](tokens[ctx, path]).argmax(-1, keepdim=True)
 
-    for key in steppers:  # one untimed step each: first-call allocations (and the compile)
+    keys = list(tokens)
+    for key in keys:  # one untimed step each: first-call allocations (and the compile)
         step(*key)
-    times: dict[tuple, list[float]] = {key: [] for key in steppers}
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
     for _ in range(-(-steps // block)):
-        for key in steppers:
+        for key in keys:
             for _ in range(block):
                 sync(device)
                 t0 = time.perf_counter()
                 step(*key)
                 sync(device)
                 times[key].append(time.perf_counter() - t0)
-    by_path = {path: {str(ctx): statistics.median(times[ctx, path]) for ctx in contexts} for path in paths}
+    for twin in twins.values():
+        twin.close()
+    by_path = {
+        path: {str(ctx): statistics.median(times[ctx, path]) for ctx in contexts}
+        for path in [*paths, *([LLAMA_CPP] if twins else [])]
+    }
     growth = {path: s[str(max(contexts))] / s[str(min(contexts))] for path, s in by_path.items()}
+    peers = {LLAMA_CPP: by_path.pop(LLAMA_CPP)} if twins else {}
     return dict(
         decoder=paths[0],
         seconds_per_token=by_path[paths[0]],
         kv_cache_bytes={str(ctx): c.nbytes for ctx, c in caches.items()},
         longest_over_shortest=growth[paths[0]],
         seconds_per_token_by_decoder=by_path,
-        longest_over_shortest_by_decoder=growth,
+        longest_over_shortest_by_decoder={path: growth[path] for path in paths},
+        peer_seconds_per_token=peers,  # llama.cpp's steps, timed in the same rotation
+        peer_longest_over_shortest={peer: growth[peer] for peer in peers},
+        ratio_by_context={  # ours (the first path) / peer in tokens/s: > 1 = ours faster at that context
+            peer: {ctx: s / by_path[paths[0]][ctx] for ctx, s in seconds.items()}
+            for peer, seconds in peers.items()
+        },
     )
 
 
@@ -606,11 +733,16 @@ def markdown(results: dict) -> str:
     rows(f"decode tok/s ({g['new_tokens']} new)", g["decode_tokens_per_s"], g["ratio_decode"])
     r = results["rope"]
     rows(f"RoPE fwd+bwd calls/s {tuple(r['shape_BHLD'])}", r["calls_per_s"], r["ratio"])
-    lat = results["decode_latency"]["seconds_per_token_by_decoder"]  # {path: {context: seconds}}
-    lines += ["", "| context | " + " | ".join(f"ours ({path}) ms / token" for path in lat) + " |"]
-    lines += ["|---|" + "---|" * len(lat)]
-    for ctx in next(iter(lat.values())):
-        lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s[ctx]:.2f}" for s in lat.values()) + " |")
+    latency = results["decode_latency"]
+    columns = {f"ours ({path})": s for path, s in latency["seconds_per_token_by_decoder"].items()}
+    columns |= latency["peer_seconds_per_token"]  # {side: {context: seconds}}
+    ratios_by_context = latency["ratio_by_context"]
+    header = [f"{side} ms / token" for side in columns] + [f"ours / {peer}" for peer in ratios_by_context]
+    lines += ["", "| context | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for ctx in latency["seconds_per_token"]:
+        cells = [f"{1000 * s[ctx]:.2f}" for s in columns.values()]
+        cells += [f"{r[ctx]:.2f}x" for r in ratios_by_context.values()]
+        lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
     lines += ["", "| target | value | wanted | met |", "|---|---|---|---|"]
     for t in results["targets"]:
         met = "not measured" if t["met"] is None else "yes" if t["met"] else "no"
@@ -632,7 +764,15 @@ def main(argv: list[str]) -> dict:
         torch.set_num_threads(int(args["threads"]))
     device = pick_device(args["device"])
     peers, unavailable = import_peers(list(args["peers"]))
+    if LLAMA_CPP in peers and not llama_cpp_runs(args, device):
+        del peers[LLAMA_CPP]
+        dtype = str(compute_dtype(args, device)).removeprefix("torch.")
+        unavailable[LLAMA_CPP] = f"timed against our CPU float32 paths only, not {device.type} {dtype}"
+    for name, why in unavailable.items():
+        print(f"[bench] {name}: skipped ({why})", file=sys.stderr)
     model_peers = {p: v for p, v in peers.items() if p in MODEL_PEERS}
+    gguf_workdir = tempfile.TemporaryDirectory(prefix="bench-llama-cpp-")  # llama.cpp's GGUF files
+    llama_cpp_dir = Path(gguf_workdir.name) if LLAMA_CPP in peers else None
     if "transformers" in peers:
         import transformers
 
@@ -652,16 +792,20 @@ def main(argv: list[str]) -> dict:
     progress = Progress(4 + len(train_runs))
     default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
     progress("parity of the peers' logits and the matmul peak")
-    results["parity_max_abs_logit_diff"] = parity(
-        build_models(default_cfg, model_peers, device, 64, 0), args["vocab"], device
-    )
+    parity_models = build_models(default_cfg, model_peers, device, 64, 0)
+    results["parity_max_abs_logit_diff"] = parity(parity_models, args["vocab"], device)
+    if llama_cpp_dir is not None:
+        results["parity_max_abs_logit_diff"][LLAMA_CPP] = llama_cpp_parity(
+            parity_models["ours"], llama_cpp_dir
+        )
     results["matmul_peak_flops"] = matmul_peak(
         args, device
     )  # before and after the training runs: keep the best
     progress("generation: prefill and decode tokens/s")
-    results["generate"] = bench_generate(default_cfg, args, model_peers, device)
+    results["generate"] = bench_generate(default_cfg, args, model_peers, device, llama_cpp_dir)
     progress(f"decode latency at contexts {list(args['contexts'])}")
-    results["decode_latency"] = bench_decode_latency(default_cfg, args, device)
+    results["decode_latency"] = bench_decode_latency(default_cfg, args, device, llama_cpp_dir)
+    gguf_workdir.cleanup()
     progress("the RoPE op")
     results["rope"] = bench_rope(args, peers, device)
     results["train"] = []

@@ -38,6 +38,10 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
     assert set(r["peers"]).isdisjoint(r["peers_unavailable"])
     assert all(why for why in r["peers_unavailable"].values())  # an unavailable peer says why
+    for peer, why in r["peers_unavailable"].items():  # ... at once, not only in the final report
+        assert f"[bench] {peer}: skipped ({why})" in run.stderr
+    if dtype == "bfloat16":  # llama.cpp decodes our fp32 GGUF, so it is left out of a bf16 run
+        assert "llama.cpp" in r["peers_unavailable"]
     assert all(diff < 1e-4 for diff in r["parity_max_abs_logit_diff"].values())  # same weights on every side
     assert r["matmul_peak_flops"] > 0 and r["dtype"] == dtype
 
@@ -64,6 +68,11 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     assert list(latency["seconds_per_token"]) == ["16", "64"]
     assert all(s > 0 for s in latency["seconds_per_token"].values())
     assert latency["kv_cache_bytes"]["64"] > latency["kv_cache_bytes"]["16"]
+    assert (
+        set(latency["peer_seconds_per_token"])
+        == set(latency["ratio_by_context"])
+        == {"llama.cpp"} & set(r["peers"])
+    )
 
     rope = r["rope"]
     assert rope["calls_per_s"]["ours"] > 0
@@ -101,3 +110,39 @@ def test_bad_shape_or_output_fails_before_benchmarking(tmp_path):
         )
         assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
         assert "[bench" not in run.stderr  # no section started
+
+
+@pytest.mark.slow  # needs the llama.cpp extra (requirements-gguf.txt), which `make test-slow` installs
+def test_quick_bench_times_llama_cpp_on_our_weights(tmp_path):
+    import llama_cpp  # noqa: F401 (fails here, not as a skip, when the extra is missing)
+
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "quick=true",
+            "shapes=[tiny]",
+            "peers=[llama.cpp]",
+            f"out={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert list(r["peers"]) == ["llama.cpp"] and r["parity_max_abs_logit_diff"]["llama.cpp"] < 1e-4
+    gen = r["generate"]
+    assert gen["decode_tokens_per_s"]["llama.cpp"] > 0
+    assert math.isclose(
+        gen["ratio_decode"]["llama.cpp"],
+        gen["decode_tokens_per_s"]["ours"] / gen["decode_tokens_per_s"]["llama.cpp"],
+    )
+    latency = r["decode_latency"]
+    theirs, ratio = latency["peer_seconds_per_token"]["llama.cpp"], latency["ratio_by_context"]["llama.cpp"]
+    assert list(theirs) == list(ratio) == ["16", "64"] and all(s > 0 for s in theirs.values())
+    for ctx, s in theirs.items():  # ours / llama.cpp in tokens/s = their seconds / ours
+        assert math.isclose(ratio[ctx], s / latency["seconds_per_token"][ctx])
+    assert "| ours / llama.cpp |" in run.stdout
