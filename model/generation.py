@@ -308,8 +308,8 @@ def generate(
 
 
 # torch.compile options of the decode step. cpp_wrapper: the graph's kernel calls run from C++, not
-# Python (~15% per token on a CPU). The guard filter skips re-checking torch.nn's own modules
-# (Linear, RMSNorm, Embedding) on every call (~40 us per token); their weights are graph inputs, so
+# Python (docs/performance.md has the gain). The guard filter skips re-checking torch.nn's own modules
+# (Linear, RMSNorm, Embedding) on every call; their weights are graph inputs, so
 # new values are still used, and our own modules (the attention's RoPE layout) stay guarded.
 COMPILE_OPTIONS = {
     "cpp_wrapper": True,

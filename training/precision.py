@@ -9,7 +9,6 @@ Explicit values (32-true, bf16-mixed, 16-mixed, ...) are passed to Lightning unc
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import torch
@@ -27,14 +26,6 @@ def cpu_flags() -> set[str]:
         if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return set()
-
-
-def cpu_name() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else what platform knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown"
 
 
 def uses_cuda(accelerator: str) -> bool:
