@@ -13,23 +13,16 @@ import pytest
 from tests.helpers import ROOT
 
 
+def quick_bench(*args: str) -> subprocess.CompletedProcess:
+    """`python scripts/bench.py quick=true shapes=[tiny] <args>` from the repo root, output captured."""
+    cmd = [sys.executable, "scripts/bench.py", "quick=true", "shapes=[tiny]", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("precision, dtype", [("auto", "float32"), ("bf16", "bfloat16")])  # auto on CPU: fp32
 def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench.py",
-            "quick=true",
-            "shapes=[tiny]",
-            f"precision={precision}",
-            f"out={out}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = quick_bench(f"precision={precision}", f"out={out}")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| target |" in run.stdout  # the markdown report
     assert "5/5 training step, model=tiny, eager" in run.stderr  # progress, one line per section
@@ -117,20 +110,7 @@ def test_quick_bench_times_llama_cpp_on_our_weights(tmp_path):
     import llama_cpp  # noqa: F401 (fails here, not as a skip, when the extra is missing)
 
     out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench.py",
-            "quick=true",
-            "shapes=[tiny]",
-            "peers=[llama.cpp]",
-            f"out={out}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = quick_bench("peers=[llama.cpp]", f"out={out}")
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
     assert list(r["peers"]) == ["llama.cpp"] and r["parity_max_abs_logit_diff"]["llama.cpp"] < 1e-4
