@@ -5,7 +5,7 @@
     python generate.py ckpt=runs/shakespeare prompt_file=prompts.txt num_samples=2 stop='["\\n\\n"]'
     python generate.py ckpt=runs/shakespeare mode=score text_file=hamlet.txt chunk=64
 
-Every option is in configs/generate.yaml and docs/generate.md. The engine is model/generation.py.
+Every option is in configs/generate.yaml and docs/generate.md. The engine is inference/generation.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import Tokenizer
-from model.checkpoint import LoadedCheckpoint, load_checkpoint
-from model.generation import (
+from inference.checkpoint import LoadedCheckpoint, load_checkpoint
+from inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,

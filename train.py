@@ -23,8 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data import DataError
-from model.callbacks import AtomicCheckpointIO, NewRunDirectories, TextSample, build_callbacks
-from model.checkpoint import (
+from inference.checkpoint import (
     CheckpointError,
     check_weights_fit,
     file_sha256,
@@ -33,8 +32,9 @@ from model.checkpoint import (
     safe_load,
 )
 from model.config import ModelConfig
-from model.lightning import LitLlama, NonFiniteLossError
 from model.rope import RopeConfig
+from training.callbacks import AtomicCheckpointIO, NewRunDirectories, TextSample, build_callbacks
+from training.module import LitLlama, NonFiniteLossError
 from training.optim import check_optimizer_name
 from training.precision import resolve_precision
 

@@ -1,1 +1,1 @@
-"""Inference-side helpers shared by generate.py and the scripts (see DESIGN.md): the memory budget."""
+"""Inference: checkpoint loading, generation with the KV cache, scoring and evaluation, memory budget."""

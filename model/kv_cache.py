@@ -6,7 +6,7 @@ Keys are stored after rotation, so decoding never re-rotates old keys.
 Two ways to write: the default appends at the Python-int `length` and attention covers the filled
 slots (any number of tokens, shapes change every step); with `write_slot` set (a (1,) tensor), a
 one-token step writes there and attention covers every slot under `slot_mask()`: shapes stay fixed,
-so `torch.compile` builds the decode step once (model/generation.py, compile=True).
+so `torch.compile` builds the decode step once (inference/generation.py, compile=True).
 """
 
 from __future__ import annotations

@@ -39,15 +39,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from data.tokenizer import train_tokenizer
+from inference.generation import GREEDY, DecodeStep, generate
+from kernels.cpu_decode import NativeDecodeStep
 from model.config import ModelConfig
-from model.cpu_decode import NativeDecodeStep
-from model.generation import GREEDY, DecodeStep, generate
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.kv_cache import KVCache
-from model.lightning import measure_matmul_peak
 from model.llama import Llama
 from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
 from scripts.export_gguf import gguf_writer, save
+from training.module import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(
@@ -59,7 +59,7 @@ DEFAULTS = dict(
     batch=16,
     seq_len=256,
     compile=True,  # also time torch.compile'd training steps (eager is always timed)
-    native_decode=True,  # ours decodes through the C step (model/cpu_decode.c) where it runs: CPU, fp32
+    native_decode=True,  # ours decodes through the C step (kernels/cpu_decode.c) where it runs: CPU, fp32
     compile_decode=True,  # and through the compiled static-shape step (eager is always timed beside them)
     prompt_len=32,
     new_tokens=256,

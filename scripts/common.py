@@ -17,9 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.checkpoint import LoadedCheckpoint
-from model.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
-from model.generation import check_integer, override_rope
+from inference.checkpoint import LoadedCheckpoint
+from inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
+from inference.generation import check_integer, override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (tests)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generate import load
-from model.evaluation import (
+from inference.evaluation import (
     bootstrap_mean,
     bucket_curve,
     perplexity,
@@ -32,7 +32,7 @@ from model.evaluation import (
     split_windows,
     window_losses,
 )
-from model.generation import check_integer, check_scoring
+from inference.generation import check_integer, check_scoring
 from scripts.common import (
     CONFIGS,
     check_common,

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from data.tokenizer import Tokenizer
-from model.checkpoint import load_checkpoint, resolve_checkpoint
+from inference.checkpoint import load_checkpoint, resolve_checkpoint
 from model.config import ModelConfig
 from model.hf import ExportError, half_to_interleaved, hf_rope_parameters, to_hf_state_dict
 from model.rope import (

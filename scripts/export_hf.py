@@ -25,7 +25,7 @@ from tokenizers import processors
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 from data.tokenizer import BOS, EOS, Tokenizer
-from model.checkpoint import load_checkpoint, resolve_checkpoint
+from inference.checkpoint import load_checkpoint, resolve_checkpoint
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.rope import ntk_base
 from scripts.common import CONFIGS, one_sentence_errors, require

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from data.tokenizer import Tokenizer
-from model.checkpoint import atomic_torch_save, file_sha256, load_weights
+from inference.checkpoint import atomic_torch_save, file_sha256, load_weights
 from model.hf import from_hf_state_dict, model_config_from_hf
 from model.llama import Llama
 from scripts.common import CONFIGS, one_sentence_errors, require

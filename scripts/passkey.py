@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from generate import load
+from inference.evaluation import continuation_logprobs, forward_groups, rows_per_forward
+from inference.generation import GREEDY, check_integer, generate, generation_bytes
 from inference.memory import check_fits
-from model.evaluation import continuation_logprobs, forward_groups, rows_per_forward
-from model.generation import GREEDY, check_integer, generate, generation_bytes
 from scripts.common import (
     CONFIGS,
     check_common,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python s
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.checkpoint import resolve_checkpoint
+from inference.checkpoint import resolve_checkpoint
 from scripts.common import ROOT
 from scripts.eval_extrapolation import markdown_tables, plot_ppl_vs_length
 

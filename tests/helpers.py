@@ -68,6 +68,6 @@ def train_cli(*args: str, timeout: float | None = None):
 
 def last_weights(run_dir: Path) -> dict:
     """The network weights in run_dir/checkpoints/last.ckpt (safe load)."""
-    from model.checkpoint import model_state_from_checkpoint, safe_load
+    from inference.checkpoint import model_state_from_checkpoint, safe_load
 
     return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from data.tokenizer import train_tokenizer
-from model.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
+from inference.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
 from tests.helpers import CONFIGS, ROOT, small_corpus, tiny_overrides
 from tests.test_generate import TEXT, save_run, tiny
 from tests.test_reliability import crafted_checkpoint, refusal

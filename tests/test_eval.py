@@ -16,10 +16,8 @@ from omegaconf import OmegaConf
 
 from data.tokenizer import Tokenizer
 from inference import memory
-from inference.memory import MemoryBudgetError
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.evaluation import (
+from inference.checkpoint import load_checkpoint
+from inference.evaluation import (
     bootstrap_mean,
     continuation_logprobs,
     forward_groups,
@@ -30,14 +28,16 @@ from model.evaluation import (
     split_windows,
     window_losses,
 )
-from model.generation import check_scoring, score_tokens
-from model.lightning import LitLlama
+from inference.generation import check_scoring, score_tokens
+from inference.memory import MemoryBudgetError
+from model.config import ModelConfig
 from model.llama import Llama
 from model.rope import RopeConfig
 from scripts import eval_extrapolation, passkey, study
 from scripts.common import datamodule_for, method_ropes
 from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
 from train import train
+from training.module import LitLlama
 
 L0 = 32  # the tiny run's training length
 

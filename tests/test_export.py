@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data.markdown import play_to_text
 from data.sources import shakespeare_plays
 from data.tokenizer import Tokenizer, train_tokenizer
-from model.checkpoint import file_sha256, load_checkpoint
+from inference.checkpoint import file_sha256, load_checkpoint
+from inference.generation import GREEDY, generate
 from model.config import ModelConfig
-from model.generation import GREEDY, generate
 from model.llama import Llama
 from model.rope import RopeConfig
 from scripts.export_hf import export, main

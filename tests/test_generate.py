@@ -16,9 +16,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import generate as cli
 from data.tokenizer import train_tokenizer
-from model.checkpoint import atomic_torch_save
-from model.config import ModelConfig
-from model.generation import (
+from inference.checkpoint import atomic_torch_save
+from inference.generation import (
     GREEDY,
     Generation,
     GenerationError,
@@ -30,6 +29,7 @@ from model.generation import (
     sample,
     score_tokens,
 )
+from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
@@ -166,7 +166,7 @@ NATIVE_ROPES = {  # every RoPE setting the C step must reproduce (it reads only 
 def native_logits(model: Llama, prompt: list[int], steps: int, start_pos: int) -> tuple[list, list]:
     """Greedy decode through the C step: (per-step logits, the full forward's logits at the same spots).
     The full forward runs into a fresh cache only to keep dynamic NTK's length fixed, as generate does."""
-    from model.cpu_decode import NativeDecodeStep
+    from kernels.cpu_decode import NativeDecodeStep
 
     capacity = len(prompt) + steps
     cache = KVCache.for_model(model.config, 1, capacity, rope_seq_len=start_pos + capacity)
@@ -188,7 +188,7 @@ def native_logits(model: Llama, prompt: list[int], steps: int, start_pos: int) -
 @pytest.mark.parametrize("rope", list(NATIVE_ROPES))
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query and multi-head attention
 def test_native_decode_equals_the_full_forward(tok, rope, kv_heads):
-    """The C decode step (model/cpu_decode.c) against the torch forward over the whole sequence, at
+    """The C decode step (kernels/cpu_decode.c) against the torch forward over the whole sequence, at
     every step, for each RoPE setting, GQA and MHA, positions past the training length included."""
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -235,7 +235,7 @@ def test_native_decode_refuses_what_it_cannot_compute(model, tok):
 
 
 def test_native_build_errors_are_one_sentence_and_leave_no_library(tmp_path, monkeypatch):
-    from model.cpu_decode import NativeDecodeUnavailable, build, c_compiler
+    from kernels.cpu_decode import NativeDecodeUnavailable, build, c_compiler
 
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(NativeDecodeUnavailable, match="'no-such-compiler' was not found"):
@@ -645,7 +645,7 @@ def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
 
 def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
     """-march=native code from one CPU can crash another: a CPU with other features builds its own."""
-    import model.cpu_decode as cpu_decode
+    import kernels.cpu_decode as cpu_decode
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for features in ("flags: fpu avx2", "flags: fpu avx2 avx512f"):
@@ -660,7 +660,7 @@ def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
 def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path):
     """CPUs without AVX-512 (and other compilers) take the C step's portable loops: built here with
     AVX-512 switched off, they must match the full forward as the AVX-512 build does."""
-    import model.cpu_decode as cpu_decode
+    import kernels.cpu_decode as cpu_decode
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, "-mno-avx512f"])

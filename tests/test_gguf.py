@@ -16,9 +16,9 @@ import torch
 from tokenizers import normalizers
 
 from data.tokenizer import Tokenizer
-from model.checkpoint import load_checkpoint
+from inference.checkpoint import load_checkpoint
+from inference.generation import GREEDY, generate
 from model.config import ModelConfig
-from model.generation import GREEDY, generate
 from model.hf import from_hf_state_dict, interleaved_to_half, to_hf_state_dict
 from model.rope import RopeConfig, RotaryEmbedding, ntk_base
 from scripts.export_gguf import ARCH, export, main

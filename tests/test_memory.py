@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 
 from data.tokenizer import train_tokenizer
 from inference import memory
+from inference.generation import score_tokens
 from inference.memory import MemoryBudgetError, check_fits, human_bytes
-from model.generation import score_tokens
 from model.kv_cache import KVCache, cache_bytes
 from scripts import eval_extrapolation
 from tests.helpers import CONFIGS, ROOT

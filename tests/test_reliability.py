@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train as train_py
-from model.checkpoint import (
+from inference.checkpoint import (
     CheckpointError,
     atomic_torch_save,
     load_checkpoint,
@@ -109,7 +109,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
 
 WRITER = """
 import sys, torch
-from model.checkpoint import atomic_torch_save
+from inference.checkpoint import atomic_torch_save
 path, i = sys.argv[1], 0
 while True:
     i += 1

@@ -11,12 +11,12 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from model.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
+from inference.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from model.config import ModelConfig
-from model.lightning import LitLlama, matmul_dtype
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 from train import build_logger, build_trainer, finish_wandb, run_summary, train
+from training.module import LitLlama, matmul_dtype
 from training.optim import build_optimizer
 
 

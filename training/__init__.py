@@ -1,1 +1,1 @@
-"""Training: what the Lightning run needs beyond the plain network (precision choice, optimizers)."""
+"""Training: the Lightning module, callbacks, precision choice, optimizers and throughput accounting."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from model.generation import left_pad, override_rope, score_tokens
+from inference.generation import left_pad, override_rope, score_tokens
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import SCALINGS, RopeConfig

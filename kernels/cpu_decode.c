@@ -5,7 +5,7 @@
  * own thread fork and join. Here the whole step is one OpenMP parallel region: the threads split
  * every matrix-vector product by rows and meet at a barrier between operations. The maths is the
  * model's, line for line (RMSNorm, fused qkv, RoPE, GQA attention, SwiGLU, tied head); tests check
- * it against the torch forward (tests/test_generate.py). model/cpu_decode.py builds and calls it.
+ * it against the torch forward (tests/test_generate.py). kernels/cpu_decode.py builds and calls it.
  *
  * Shapes: C = d_model, H / KV = query / key-value heads, D = head_dim, F = ffn_hidden, V = vocab,
  * R = rotary dims (<= D). Weights are row-major torch tensors: qkv (H*D + 2*KV*D, C), o_proj

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.memory import check_fits, forward_bytes
-from model.cpu_decode import NativeDecodeStep, NativeDecodeUnavailable
+from kernels.cpu_decode import NativeDecodeStep, NativeDecodeUnavailable
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
@@ -243,7 +243,7 @@ def generate(
         to stop that row (e.g. a stop string was completed). The row keeps the token.
     compile: decode through `torch.compile(model.decode_step)`: fixed shapes over the whole cache,
         built once per cache shape (seconds on a CPU), then about 1.5x faster per token.
-    native: decode through the C step of model/cpu_decode.c (one sequence, float32, CPU; built once
+    native: decode through the C step of kernels/cpu_decode.c (one sequence, float32, CPU; built once
         per machine in about a second): the fastest CPU path. Not together with compile.
     Generation ends when every row stopped or after max_new_tokens steps. Every argument and the
     memory needed are checked first (check_generation): a refusal allocates nothing.

@@ -1,8 +1,8 @@
-"""The C decode step (model/cpu_decode.c): built once per machine, bound with ctypes, called per token.
+"""The C decode step (kernels/cpu_decode.c): built once per machine, bound with ctypes, called per token.
 
 `generate(..., native=True)` (and `generate.py native=true`) decodes through it: one sequence,
 float32, on the CPU. The prompt still goes through the torch forward, which fills the same KV cache
-the C step then reads and extends. Why C: model/cpu_decode.c, first comment.
+the C step then reads and extends. Why C: kernels/cpu_decode.c, first comment.
 
 The library is compiled with the system's C compiler (`$CC`, else `cc`) and OpenMP, for this CPU
 (-march=native), into ~/.cache/rope-llama/ (or $XDG_CACHE_HOME) under a name hashed from the source,
@@ -72,7 +72,7 @@ def build(compiler: str, target: Path) -> None:
 
 
 class _Model(ctypes.Structure):
-    """model/cpu_decode.c's Model struct, field for field."""
+    """kernels/cpu_decode.c's Model struct, field for field."""
 
     _fields_ = [
         *[

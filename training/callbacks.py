@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from model.checkpoint import atomic_torch_save, safe_load
+from inference.checkpoint import atomic_torch_save, safe_load
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -43,7 +43,7 @@ class TextSample(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or self.max_new_tokens <= 0:
             return
-        from model.generation import SamplingConfig, generate  # the same engine generate.py uses
+        from inference.generation import SamplingConfig, generate  # the same engine generate.py uses
 
         prompt = [self.tokenizer.bos_id, *self.tokenizer.encode(self.prompt)]
         was_training = pl_module.training
