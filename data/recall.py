@@ -1,0 +1,199 @@
+"""Synthetic associative-recall training windows: facts spliced into real training text, asked at the end.
+
+A model trained for minutes on plays never learns to copy a number from far back in its context
+(passkey accuracy stays at chance), so `data.recall` turns a fraction of the training windows into
+recall windows. A recall window keeps the window's own text as the haystack, inserts a few facts
+at line starts, and ends with questions about some of them, each followed by its answer:
+
+    And I will make thee think thy swan a crow.
+    The silver bell is 73912.
+    ROMEO:
+    ...
+    What is the silver bell? The silver bell is 73912
+
+Design, and why:
+- Values are 5-digit numbers: the byte-level BPE trained here has no digit merges, so " 73912" is
+  " " plus one token per digit, the same shape as the passkey's key, and recalling it is copying
+  five tokens after matching the tag ("silver bell") seen once before.
+- Several facts with distinct tags and values, so the answer is not simply the last number.
+- The haystack is real training text, so the window still teaches the language model (held-out
+  bpc stays comparable), and the windows' validation/test splits are never touched.
+- None of the evaluation prompts' sentences (scripts/passkey.py, inference/retrieval.py) can occur:
+  the word lists avoid their words (no "pass", "key", "grass", "sky", ...); tests check it.
+- Curriculum: over the first `curriculum_batches` batches the largest number of facts grows from
+  `min_pairs` to `max_pairs`, and facts move from the window's last quarter (short distance) to
+  anywhere in it.
+
+Everything is a pure function of (recall seed, batch index), so batches stay resumable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from data import DataError
+from data.tokenizer import Tokenizer
+
+ADJECTIVES = (
+    "old", "new", "little", "great", "silver", "golden", "iron", "wooden", "black", "white",
+    "red", "broken", "hidden", "second", "third", "northern", "southern", "eastern", "western",
+    "stone", "copper", "velvet", "crimson", "bright", "dark", "empty", "heavy", "narrow", "quiet",
+    "ancient",
+)  # fmt: skip
+NOUNS = (
+    "crown", "sword", "ring", "letter", "tower", "gate", "ship", "garden", "castle", "bell",
+    "lamp", "horse", "cup", "coin", "book", "door", "bridge", "chest", "cloak", "shield",
+    "candle", "mirror", "window", "wall", "road", "river", "forest", "mill", "harbour", "chapel",
+)  # fmt: skip
+# (fact sentence, the words a question repeats before the answer): a query repeats the fact's own
+# opening words, so recalling means matching them and copying what followed.
+TEMPLATES = (
+    ("The {tag} is {value}.", "The {tag} is"),
+    ("The number of the {tag} is {value}.", "The number of the {tag} is"),
+    ("The {tag} is {value}. Say it once more: {value} is the {tag}.", "The {tag} is"),
+)
+QUESTIONS = ("What is the {tag}?", "Which number goes with the {tag}?", "Tell me the {tag}.", "")
+VALUE_RANGE = (10_000, 100_000)  # 5-digit values, like the passkey's keys
+START_FRACTION = 0.75  # at the start of the curriculum, facts go into the window's last quarter
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    """The `data.recall` options (docs/data.md). fraction 0 turns recall windows off."""
+
+    fraction: float = 0.0  # probability that a training window becomes a recall window
+    seed: int = 0  # seeds the recall windows, independently of data.seed
+    min_pairs: int = 1  # facts per window, drawn uniformly in [min_pairs, max_pairs]
+    max_pairs: int = 4
+    queries: int = 1  # questions at the end, each about a different fact (at most min_pairs)
+    curriculum_batches: int = 0  # batches over which distance and facts grow to full; 0 = none
+
+    @classmethod
+    def from_options(cls, options: Mapping | None) -> RecallConfig:
+        """Check a `data.recall` mapping (None = off) and build the config."""
+        options = dict(options or {})
+        allowed = [f.name for f in fields(cls)]
+        if unknown := sorted(set(options) - set(allowed)):
+            raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
+        cfg = cls(**options)
+        if (
+            isinstance(cfg.fraction, bool)
+            or not isinstance(cfg.fraction, int | float)
+            or not 0 <= cfg.fraction <= 1
+        ):
+            raise DataError(f"data.recall.fraction must lie in [0, 1], got {cfg.fraction!r}.")
+        for name in ("seed", "min_pairs", "max_pairs", "queries", "curriculum_batches"):
+            value = getattr(cfg, name)
+            lowest = 1 if name in ("min_pairs", "queries") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise DataError(f"data.recall.{name} must be an integer >= {lowest}, got {value!r}.")
+        if not cfg.queries <= cfg.min_pairs <= cfg.max_pairs <= len(ADJECTIVES) * len(NOUNS):
+            raise DataError(
+                f"data.recall needs queries <= min_pairs <= max_pairs, got queries={cfg.queries}, "
+                f"min_pairs={cfg.min_pairs}, max_pairs={cfg.max_pairs}."
+            )
+        return cfg
+
+
+@dataclass(frozen=True)
+class RecallWindow:
+    tokens: np.ndarray  # (max_len + 1,) int64: haystack with facts, then question + answer pairs
+    facts: list[tuple[str, int]]  # (tag, value) in the order they occur in the window
+    asked: list[int]  # indices into `facts`, in the order the questions ask them
+    answers: list[tuple[int, int]]  # token span [start, end) of each question's answer in `tokens`
+
+
+class RecallMixer:
+    """Turns a fraction of each training batch into recall windows; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer, config: RecallConfig, window_len: int):
+        """window_len: tokens per training window (max_len + 1); checked here, not mid-training."""
+        self.tok, self.config = tokenizer, config
+        # Facts go in after a token that ends a line (or at the window start), so each is a line.
+        self.ends_line = np.array([tokenizer.decode([i]).endswith("\n") for i in range(tokenizer.vocab_size)])
+        if (need := self.longest_synthetic()) >= window_len:
+            raise DataError(
+                f"recall windows of up to {config.max_pairs} facts and {config.queries} question(s) need up "
+                f"to {need} tokens of facts and questions, but training windows have {window_len}; raise "
+                "data.max_len or lower data.recall.max_pairs / queries."
+            )
+
+    def longest_synthetic(self) -> int:
+        """Most tokens the facts and questions of one window can take (all tags, wordings; value 99999)."""
+        tags = [f"{a} {n}" for a in ADJECTIVES for n in NOUNS]
+        value = VALUE_RANGE[1] - 1
+        facts = [fact.format(tag=t, value=value) + "\n" for fact, _ in TEMPLATES for t in tags]
+        queries = [
+            ".\n" + (q.format(tag=t) + " " if q else "") + query.format(tag=t) + f" {value}"
+            for _, query in TEMPLATES
+            for q in QUESTIONS
+            for t in tags
+        ]
+        longest = [max(map(len, self.tok.encode_batch(texts))) for texts in (facts, queries)]
+        return self.config.max_pairs * longest[0] + self.config.queries * longest[1]
+
+    def progress(self, batch_index: int) -> float:
+        """Curriculum position in [0, 1] of training batch `batch_index` (1 = full difficulty)."""
+        n = self.config.curriculum_batches
+        return 1.0 if n == 0 else min(1.0, batch_index / n)
+
+    def mix(self, batch_index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training batch `batch_index` as (input, target), each (B, L) int64, with each row replaced by
+        a recall window with probability `fraction`; a pure function of (recall seed, batch_index)."""
+        rng = np.random.default_rng([self.config.seed, batch_index])
+        windows = torch.cat([x, y[:, -1:]], dim=1).numpy().copy()  # (B, L + 1)
+        progress = self.progress(batch_index)
+        for row in np.flatnonzero(rng.random(len(windows)) < self.config.fraction):
+            windows[row] = self.window(rng, windows[row], progress).tokens
+        out = torch.from_numpy(windows)
+        return out[:, :-1], out[:, 1:]
+
+    def window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float = 1.0) -> RecallWindow:
+        """One recall window as long as `haystack` (n,), built from its leading tokens."""
+        cfg, n_total = self.config, len(haystack)
+        most = cfg.min_pairs + round(progress * (cfg.max_pairs - cfg.min_pairs))
+        n_facts = int(rng.integers(cfg.min_pairs, most + 1))
+        picks = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n_facts, replace=False)
+        tags = [f"{ADJECTIVES[p // len(NOUNS)]} {NOUNS[p % len(NOUNS)]}" for p in picks]
+        low, high = VALUE_RANGE
+        values = [low + int(v) for v in rng.choice(high - low, size=n_facts, replace=False)]
+        fact_text, query_text = TEMPLATES[rng.integers(len(TEMPLATES))]
+        asked = [int(i) for i in rng.choice(n_facts, size=cfg.queries, replace=False)]
+        questions = [QUESTIONS[rng.integers(len(QUESTIONS))] for _ in asked]
+
+        statements = [self.tok.encode(fact_text.format(tag=t, value=v) + "\n") for t, v in zip(tags, values)]
+        tail, answers = [], []  # "\n<question> <query> <answer>" per asked fact, ".\n" between them
+        for j, (i, question) in enumerate(zip(asked, questions)):
+            opening = ("\n" if j == 0 else ".\n") + (question.format(tag=tags[i]) + " " if question else "")
+            tail += self.tok.encode(opening + query_text.format(tag=tags[i]))
+            answers.append((len(tail), len(tail) + len(answer := self.tok.encode(f" {values[i]}"))))
+            tail += answer
+        n_hay = n_total - sum(map(len, statements)) - len(tail)
+        if n_hay < 1:  # only for a haystack shorter than the window_len checked in __init__
+            raise DataError(
+                f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
+            )
+
+        hay = np.asarray(haystack[:n_hay], dtype=np.int64)
+        lowest = int(START_FRACTION * (1 - progress) * n_hay)  # curriculum: short distances first
+        starts = np.arange(lowest, n_hay + 1)
+        line_starts = starts[(starts == 0) | self.ends_line[hay[np.maximum(starts - 1, 0)]]]
+        candidates = line_starts if len(line_starts) else starts
+        at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
+        pieces, prev = [], 0
+        for pos, statement in zip(at, statements):
+            pieces += [hay[prev:pos], np.asarray(statement, dtype=np.int64)]
+            prev = pos
+        pieces += [hay[prev:], np.asarray(tail, dtype=np.int64)]
+        tokens = np.concatenate(pieces)
+        offset = n_total - len(tail)
+        return RecallWindow(
+            tokens,
+            list(zip(tags, values)),
+            asked,
+            [(offset + a, offset + b) for a, b in answers],
+        )

@@ -1,0 +1,146 @@
+"""Synthetic recall windows (data/recall.py) and their train-only mixing in the DataModule."""
+
+import pickle
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from data import DataError, TextDataModule
+from data.recall import ADJECTIVES, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
+from inference import retrieval
+from scripts.passkey import FILLER, INTRO, NEEDLE, QUESTION
+from tests.helpers import CONFIGS, compose_train, small_corpus
+from tests.test_retrieval import macbeth_bpe
+
+# The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
+EVAL_TEXTS = (INTRO, FILLER, NEEDLE, QUESTION, *retrieval.WORDING)
+EVAL_WORDS = {"pass", "key", "grass", "sky", "sun", "green", "blue", "yellow", "important", "irrelevant",
+              "memorize", "quiz", "remember", "var", "value", "special"}  # fmt: skip
+
+
+def eval_fragments() -> list[str]:
+    """Every sentence of the evaluation wording, split at its {placeholders} (the parts always present)."""
+    sentences = [s for text in EVAL_TEXTS for s in re.split(r"(?<=[.?!])\s+", text.strip())]
+    return [f.strip() for s in sentences for f in re.split(r"\{\w+\}", s) if len(f.strip()) > 3]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return macbeth_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def haystack(tok, n: int) -> np.ndarray:
+    """A neutral haystack of n tokens: the line "and so" again and again."""
+    ids = tok.encode("and so\n" * n)
+    return np.asarray(ids[:n], dtype=np.int64)
+
+
+def windows(tok, seed: int, count: int = 30, length: int = 257, **options) -> list:
+    mixer = RecallMixer(tok, RecallConfig.from_options({"fraction": 1.0, "seed": seed, **options}), length)
+    rng = np.random.default_rng(seed)
+    return [mixer.window(rng, haystack(tok, length)) for _ in range(count)]
+
+
+def test_no_evaluation_wording_can_be_generated(tok):
+    texts = [re.sub(r"\{\w+\}", "", s) for t in (*TEMPLATES, QUESTIONS) for s in t]  # without {placeholders}
+    words = {w.lower() for text in texts for w in re.findall(r"[A-Za-z]+", text)}
+    assert not (words | set(ADJECTIVES) | set(NOUNS)) & EVAL_WORDS
+    fragments = eval_fragments()
+    assert "The grass is green." in fragments and "What is the pass key?" in fragments
+    for w in windows(tok, seed=0, count=200, length=513, max_pairs=6, queries=2, min_pairs=2):
+        text = tok.decode(w.tokens.tolist())
+        assert not [f for f in fragments if f in text]
+
+
+def test_answers_appear_earlier_and_end_the_window(tok):
+    for w in windows(tok, seed=1, count=50, length=513, min_pairs=2, max_pairs=5, queries=2):
+        assert w.tokens.shape == (513,) and w.tokens.dtype == np.int64
+        assert w.answers[-1][1] == 513  # the last answer's last digit is the window's last token
+        first_answer = w.answers[0][0]
+        context = tok.decode(w.tokens[:first_answer].tolist())
+        tags = [t for t, _ in w.facts]
+        assert len(set(tags)) == len(tags) and len({v for _, v in w.facts}) == len(tags)
+        for (a, b), i in zip(w.answers, w.asked):
+            tag, value = w.facts[i]
+            assert tok.decode(w.tokens[a:b].tolist()) == f" {value}"
+            # The fact is stated before the questions, and the question names it right before the answer.
+            assert re.search(rf"The (number of the )?{tag} is {value}\.", context)
+            assert re.search(rf"{tag} is$", tok.decode(w.tokens[:a].tolist()))
+        # Facts occur in the window in the listed order.
+        positions = [context.index(f"{tag} is {value}") for tag, value in w.facts]
+        assert positions == sorted(positions)
+
+
+def test_deterministic_per_seed_and_different_across_seeds(tok):
+    same = [w.tokens for w in windows(tok, seed=3)], [w.tokens for w in windows(tok, seed=3)]
+    other = [w.tokens for w in windows(tok, seed=4)]
+    assert all(np.array_equal(a, b) for a, b in zip(*same))
+    assert not all(np.array_equal(a, b) for a, b in zip(same[0], other))
+
+
+def test_curriculum_starts_short_and_small(tok):
+    options = {"fraction": 1.0, "min_pairs": 1, "max_pairs": 6, "curriculum_batches": 100}
+    mixer = RecallMixer(tok, RecallConfig.from_options(options), 513)
+    assert (mixer.progress(0), mixer.progress(50), mixer.progress(500)) == (0.0, 0.5, 1.0)
+    rng = np.random.default_rng(0)
+    early = [mixer.window(rng, haystack(tok, 513), progress=0.0) for _ in range(50)]
+    late = [mixer.window(rng, haystack(tok, 513), progress=1.0) for _ in range(50)]
+    assert {len(w.facts) for w in early} == {1} and max(len(w.facts) for w in late) > 3
+    start = lambda w: tok.decode(w.tokens.tolist()).index(f"{w.facts[0][0]} is")  # noqa: E731
+    assert min(start(w) for w in early) > max(start(w) for w in late) / 2  # early facts sit late
+
+
+def test_options_are_checked():
+    assert RecallConfig.from_options(None).fraction == 0.0
+    with pytest.raises(DataError, match=r"data.recall keys \['fration'\] are unknown"):
+        RecallConfig.from_options({"fration": 0.5})
+    with pytest.raises(DataError, match="data.recall.fraction must lie in"):
+        RecallConfig.from_options({"fraction": 1.5})
+    with pytest.raises(DataError, match="queries <= min_pairs <= max_pairs"):
+        RecallConfig.from_options({"queries": 3, "min_pairs": 2})
+
+
+def test_too_short_windows_fail_before_training(tok):
+    config = RecallConfig.from_options({"fraction": 1.0, "min_pairs": 4, "max_pairs": 4})
+    with pytest.raises(DataError, match="but training windows have 65; raise data.max_len"):
+        RecallMixer(tok, config, 65)
+    mixer = RecallMixer(tok, config, 257)
+    assert mixer.longest_synthetic() < 257
+    with pytest.raises(DataError, match="a haystack of 40 tokens cannot hold"):
+        mixer.window(np.random.default_rng(0), haystack(tok, 40))
+
+
+def test_mixing_touches_only_training_windows(tmp_path):
+    corpus = small_corpus(tmp_path / "corpus")
+    common = dict(source={"kind": "text_files", "paths": corpus}, max_len=256, batch_size=8, vocab_size=1024,
+                  cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    plain = TextDataModule(**common)
+    mixed = TextDataModule(**common, recall={"fraction": 0.5, "seed": 7, "min_pairs": 2, "max_pairs": 3})
+    for dm in (plain, mixed):
+        dm.prepare_data()
+        dm.setup("fit")
+    x0, y0 = plain.train_set.batch(5)
+    x1, y1 = mixed.train_set.batch(5)
+    assert x1.shape == x0.shape == (8, 256) and bool((x1[:, 1:] == y1[:, :-1]).all())
+    changed = (x0 != x1).any(1)
+    assert 0 < int(changed.sum()) < 8  # about half the rows became recall windows
+    assert (x0[~changed] == x1[~changed]).all()
+    for window in torch.cat([x1, y1[:, -1:]], 1)[changed]:  # each ends with a question and its answer
+        assert re.search(r" is \d{5}$", mixed.tokenizer.decode(window.tolist()))
+    assert np.array_equal(mixed.train_set.batch(5)[0], x1)  # a pure function of (seed, batch index)
+    # Validation and test windows are the plain ones, so held-out bpc stays comparable.
+    for split in ("val", "test"):
+        plain_loader = getattr(plain, f"{split}_dataloader")()
+        mixed_loader = getattr(mixed, f"{split}_dataloader")()
+        for (a, _), (b, _) in zip(plain_loader, mixed_loader, strict=True):
+            assert np.array_equal(a, b)
+    pickle.loads(pickle.dumps(mixed.train_set))  # DataLoader workers receive a copy
+
+
+def test_experiment_composes(tmp_path):
+    cfg = compose_train(["experiment=recall_base"], tmp_path / "run")
+    assert cfg.data.recall.fraction > 0
+    assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
+    assert (CONFIGS / "experiment" / "recall_base.yaml").read_text().count("UNTUNED") == 1

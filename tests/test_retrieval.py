@@ -1,0 +1,148 @@
+"""Retrieval-suite prompts (inference/retrieval.py) with a real byte-level BPE, and the scorer."""
+
+import glob
+import re
+
+import numpy as np
+import pytest
+
+from data.tokenizer import Tokenizer, train_tokenizer
+from inference.retrieval import (
+    MULTIKEY_NEEDLE,
+    NAMES,
+    TASKS,
+    VAR_VALUE,
+    answer_correct,
+    build_prompt,
+)
+from scripts.passkey import FILLER, INTRO, NEEDLE, QUESTION
+from tests.helpers import small_corpus
+
+LENGTHS = (512, 1024, 2048)  # the shortest fits two chains of four assignments (vartrack)
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def macbeth_bpe(folder) -> Tokenizer:
+    """A real byte-level BPE trained on a few pages of Macbeth (no digit merges, like the default one)."""
+    texts = [open(p).read() for p in sorted(glob.glob(small_corpus(folder / "corpus")))]
+    return train_tokenizer(texts, 1024, str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return macbeth_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def longest_filler_sentence(tok) -> int:
+    return max(len(tok.encode(s)) for s in re.findall(r" [^.?!]*[.?!]", FILLER))
+
+
+def prompts(tok, task, seed=0, lengths=LENGTHS, depths=DEPTHS):
+    rng = np.random.default_rng(seed)
+    return [(n, d, build_prompt(task, tok, n, d, rng)) for n in lengths for d in depths]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_lengths_are_hit(tok, task):
+    slack = longest_filler_sentence(tok)  # 8 tokens with this 1024-token BPE; 6 with the default 4096 one
+    for length, _, p in prompts(tok, task):
+        assert length - slack < len(p.tokens) <= length
+        assert p.tokens[0] == tok.bos_id and p.task == task
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_depth_is_realised(tok, task):
+    for length, depth, p in prompts(tok, task):
+        text = tok.decode(p.tokens)
+        assert abs(p.depth - depth) <= (0.05 if length == 512 else 0.03)
+        # The asked needle starts where the prompt says; its position follows the depth.
+        asked = tok.decode(p.tokens[p.needle_start :])
+        opening = {"passkey": " The pass key is", "multikey": " The pass key of the", "vartrack": " VAR "}
+        assert asked.startswith(opening[task])
+        intro_end = len(tok.decode(p.tokens[: 1 + len(tok.encode(INTRO))]))
+        question_start = text.rindex(" What is")
+        where = len(tok.decode(p.tokens[: p.needle_start]))
+        assert intro_end <= where <= question_start
+        if depth == 0.0:
+            assert where == intro_end
+    ordered = [p.needle_start for _, _, p in prompts(tok, task, lengths=(2048,))]
+    assert ordered == sorted(ordered)  # deeper asked needles sit later
+
+
+def test_passkey_uses_the_passkey_wording_and_its_key_only_in_the_needle(tok):
+    for _, _, p in prompts(tok, "passkey"):
+        text = tok.decode(p.tokens)
+        needle = NEEDLE.format(key=p.answer)
+        assert text.startswith("<|bos|>" + INTRO) and text.endswith(QUESTION)
+        assert text.count(needle) == 1 and str(p.answer) not in text.replace(needle, "")
+        assert (
+            text.replace(needle, "").replace(INTRO, "").replace(QUESTION, "").replace("<|bos|>", "")
+            in FILLER * 100
+        )
+
+
+def test_multikey_asks_one_of_several_distinct_needles(tok):
+    for _, _, p in prompts(tok, "multikey"):
+        text = tok.decode(p.tokens)
+        found = re.findall(r"The pass key of the (\w+) is (\d+)\. Remember", text)
+        assert len(found) == 4 and len({n for n, _ in found}) == 4 and len({k for _, k in found}) == 4
+        asked = re.search(r"What is the pass key of the (\w+)\? The pass key of the \1 is$", text).group(1)
+        assert asked in NAMES and dict(found)[asked] == str(p.answer)
+        needle = MULTIKEY_NEEDLE.format(name=asked, key=p.answer)
+        assert text.count(needle) == 1 and str(p.answer) not in text.replace(needle, "")
+        assert tok.decode(p.tokens[p.needle_start :]).startswith(needle)
+
+
+def test_vartrack_answer_needs_every_hop(tok):
+    for _, _, p in prompts(tok, "vartrack"):
+        text = tok.decode(p.tokens)
+        values = dict(re.findall(r"VAR ([A-Z]+) = (\d+)\.", text))
+        copies = dict(re.findall(r"VAR ([A-Z]+) = VAR ([A-Z]+)\.", text))
+        assert len(values) == 2 and len(set(values.values())) == 2 and len(copies) == 6
+        name = re.search(r"What is the value of VAR ([A-Z]+)\? The value of VAR \1 is$", text).group(1)
+        hops = 0
+        while name in copies:
+            assert text.index(f"VAR {copies[name]} =") < text.index(f"VAR {name} =")  # assigned before use
+            name, hops = copies[name], hops + 1
+        assert hops == 3 and values[name] == str(p.answer)
+        assert text.count(str(p.answer)) == 1
+        value = VAR_VALUE.format(name=name, value=p.answer)
+        assert tok.decode(p.tokens[p.needle_start :]).startswith(value)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_per_rng_seed(tok, task):
+    assert prompts(tok, task, seed=1) == prompts(tok, task, seed=1)
+    assert prompts(tok, task, seed=1) != prompts(tok, task, seed=2)
+
+
+def test_task_options_and_errors(tok):
+    rng = np.random.default_rng(0)
+    text = tok.decode(build_prompt("multikey", tok, 512, 0.5, rng, keys=7).tokens)
+    assert text.count(". Remember it.") == 7
+    text = tok.decode(build_prompt("vartrack", tok, 512, 0.5, rng, chains=3, hops=0).tokens)
+    assert len(re.findall(r"VAR [A-Z]+ = \d+\.", text)) == 3 and "= VAR" not in text
+    with pytest.raises(ValueError, match="retrieval task 'needle' is unknown"):
+        build_prompt("needle", tok, 512, 0.5, rng)
+    with pytest.raises(ValueError, match=r"depth must lie in \[0, 1\]"):
+        build_prompt("passkey", tok, 512, 1.5, rng)
+    with pytest.raises(ValueError, match="length 128 is too short for a vartrack prompt"):
+        build_prompt("vartrack", tok, 128, 0.5, rng)
+    with pytest.raises(ValueError, match="keys must be an integer in"):
+        build_prompt("multikey", tok, 512, 0.5, rng, keys=0)
+
+
+@pytest.mark.parametrize(
+    "generated, answer, correct",
+    [
+        (" 71432.", 71432, True),
+        (" 71432 is the pass key", 71432, True),
+        ("The key: 71432, then 5", 71432, True),
+        (" 7143", 71432, False),
+        (" 12 71432", 71432, False),  # the first integer counts
+        (" 714325", 71432, False),
+        (" none", 71432, False),
+    ],
+)
+def test_greedy_scorer(generated, answer, correct):
+    assert answer_correct(generated, answer) is correct
