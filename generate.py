@@ -18,61 +18,30 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import Tokenizer
-from inference.checkpoint import LoadedCheckpoint, load_checkpoint
+from inference.checkpoint import LoadedCheckpoint
+from inference.cli import one_sentence_errors
 from inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
     check_integer,
     generate,
-    override_rope,
     position_buckets,
     score_tokens,
 )
+from inference.loading import load_model
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise GenerationError(f"Unknown device {name!r}; use auto, cpu, cuda or cuda:<index>.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerationError(
-            f"device={name} needs a CUDA GPU and none is available; use device=cpu or auto."
-        )
-    return device
 
 
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
-    """Checkpoint -> model on the device (with the RoPE override, if any) + its tokenizer."""
-    if cfg.dtype not in DTYPES:
-        raise GenerationError(f"Unknown dtype {cfg.dtype!r}; valid dtypes are {', '.join(DTYPES)}.")
-    device = resolve_device(cfg.device)
-    ckpt = load_checkpoint(cfg.ckpt)
-    tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file()))
-    if tokenizer.vocab_size > ckpt.config.vocab_size:
-        raise GenerationError(
-            f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {ckpt.config.vocab_size}."
-        )
-    rope = ckpt.config.rope
-    if cfg.get("rope") is not None:
-        rope = override_rope(rope, OmegaConf.to_container(cfg.rope, resolve=True), ckpt.train_max_len)
-        if rope.base != ckpt.config.rope.base:
-            print(
-                f"note: rope base {rope.base} differs from the checkpoint's {ckpt.config.rope.base}.",
-                file=sys.stderr,
-            )
-    ckpt.model.to(device=device, dtype=DTYPES[cfg.dtype])
-    ckpt.model.set_rope(rope)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
-    return ckpt, tokenizer
+    """The checkpoint `cfg.ckpt` on `cfg.device` in `cfg.dtype`, with the `rope=<group>` override if given."""
+    rope = None
+    if cfg.get("rope") is not None:  # only the group's values: its `_target_` builds a RopeConfig in train.py
+        rope = {k: v for k, v in OmegaConf.to_container(cfg.rope, resolve=True).items() if k != "_target_"}
+    return load_model(cfg.ckpt, cfg.device, cfg.dtype, rope)
 
 
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -168,29 +137,22 @@ def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="generate")
+@one_sentence_errors
 def main(cfg: DictConfig) -> None:
-    try:  # options are checked before the (slow) checkpoint load
-        if OmegaConf.is_missing(cfg, "ckpt"):
-            raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
-        if cfg.mode == "sample":
-            sampling = SamplingConfig(
-                float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy)
-            )
-            check_integer("num_samples", cfg.num_samples, 1)
-            texts = read_prompts(cfg)
-            run_sample(cfg, *load(cfg), sampling, texts)
-        elif cfg.mode == "score":
-            if cfg.text_file is None:
-                raise GenerationError("mode=score needs text_file=<file to score>.")
-            run_score(cfg, *load(cfg), read_text(cfg.text_file))
-        else:
-            raise GenerationError(f"Unknown mode {cfg.mode!r}; valid modes are sample, score.")
-    except (ValueError, OmegaConfBaseException) as e:  # user errors: one sentence, no traceback
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly, as shells expect
-        print(file=sys.stderr)
-        sys.exit(130)
+    # options are checked before the (slow) checkpoint load
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
+    if cfg.mode == "sample":
+        sampling = SamplingConfig(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy))
+        check_integer("num_samples", cfg.num_samples, 1)
+        texts = read_prompts(cfg)
+        run_sample(cfg, *load(cfg), sampling, texts)
+    elif cfg.mode == "score":
+        if cfg.text_file is None:
+            raise GenerationError("mode=score needs text_file=<file to score>.")
+        run_score(cfg, *load(cfg), read_text(cfg.text_file))
+    else:
+        raise GenerationError(f"Unknown mode {cfg.mode!r}; valid modes are sample, score.")
 
 
 if __name__ == "__main__":

@@ -9,85 +9,32 @@ python train.py experiment=extend_context init_from=runs/<run>/checkpoints/last.
 
 from __future__ import annotations
 
-import netrc
-import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataError
 from inference.checkpoint import (
     CheckpointError,
     check_weights_fit,
-    file_sha256,
     load_weights,
     model_state_from_checkpoint,
     safe_load,
 )
-from model.config import ModelConfig
-from model.rope import RopeConfig
-from training.callbacks import AtomicCheckpointIO, NewRunDirectories, TextSample, build_callbacks
+from inference.cli import USER_ERRORS, build, one_sentence_errors
+from training.callbacks import AtomicCheckpointIO, NewRunDirectories
+from training.loggers import finish_wandb
 from training.module import LitLlama, NonFiniteLossError
-from training.optim import check_optimizer_name
 from training.precision import resolve_precision
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
-
-
-def wandb_mode(requested: str) -> str:
-    """`auto`: online when logged in (WANDB_API_KEY or a netrc entry), else offline (no account needed)."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        return "online" if netrc.netrc().authenticators("api.wandb.ai") else "offline"
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return "offline"
-
-
-def build_logger(cfg: DictConfig, run_dir: Path, full_cfg: DictConfig):
-    kind = cfg.kind
-    if kind == "csv":
-        previous = run_dir / "metrics.csv"
-        if previous.exists():  # a resumed run: keep the earlier log (Lightning would overwrite it)
-            n = 1 + sum(1 for _ in run_dir.glob("metrics.*.csv"))
-            previous.rename(run_dir / f"metrics.{n}.csv")
-        # flush often: a killed run keeps its metrics up to the last few steps
-        return L.pytorch.loggers.CSVLogger(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=10)
-    if kind == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        logger = WandbLogger(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=run_dir.name,
-            save_dir=str(run_dir),
-            mode=wandb_mode(cfg.mode),
-            tags=list(cfg.tags),
-        )
-        logger.log_hyperparams(OmegaConf.to_container(full_cfg, resolve=True))
-        return logger
-    if kind == "none":
-        return False
-    raise ValueError(f"Unknown logger kind {kind!r}; choose logger=csv, logger=wandb or logger=none.")
-
-
-def finish_wandb(trainer) -> None:
-    """Close this run's wandb run, so the next job of a Hydra sweep (same process) starts its own."""
-    for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            logger.experiment.finish()
 
 
 def checkpoint_names(ckpt_dir: Path) -> list[str]:
@@ -144,7 +91,12 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs) -> L.Trainer:
     """The Lightning Trainer of `trainer_cfg`, with precision=auto resolved for this machine (and said)."""
     precision, why = resolve_precision(trainer_cfg.precision, trainer_cfg.accelerator)
     print(f"Precision: {precision} ({why})")
-    return instantiate(trainer_cfg, precision=precision, **kwargs)
+    return build(trainer_cfg, precision=precision, **kwargs)
+
+
+def build_callbacks(callbacks_cfg: DictConfig) -> list[L.Callback]:
+    """One callback per entry of the `callbacks` group, in order (an entry set to null is left out)."""
+    return [build(node) for node in callbacks_cfg.values() if node is not None]
 
 
 def setup_run(cfg: DictConfig):
@@ -153,29 +105,27 @@ def setup_run(cfg: DictConfig):
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # stderr is for errors only
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_max_steps(cfg.trainer.max_steps)
-    check_optimizer_name(cfg.optim.name)
-    rope = RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
-    model_kwargs = OmegaConf.to_container(cfg.model, resolve=True)
-    ModelConfig(vocab_size=VOCAB_MULTIPLE, rope=rope, **model_kwargs)  # shape errors before any data work
+    optim = build(cfg.optim)
+    model_config = build(cfg.model)  # shape and RoPE errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is None and not cfg.overwrite:
         refuse_to_overwrite(run_dir)
     resume_state = resume_weights(ckpt_path) if ckpt_path else None
     init_state = model_state_from_checkpoint(safe_load(cfg.init_from)) if cfg.init_from else None
 
-    datamodule = instantiate(cfg.data)
+    datamodule = build(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
     tokenizer = datamodule.tokenizer
 
-    vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    model_config = ModelConfig(vocab_size=vocab_size, rope=rope, **model_kwargs)
+    vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # the tokenizer's, padded
     module = LitLlama(
-        model_config.to_dict(),
-        **OmegaConf.to_container(cfg.optim, resolve=True),
+        replace(model_config, vocab_size=vocab_size),
+        optim,
         max_steps=cfg.trainer.max_steps,
         compile=cfg.compile,
-        tokenizer={"path": str(Path(tokenizer.path).resolve()), "sha256": file_sha256(tokenizer.path)},
+        kernels=cfg.kernels,
+        tokenizer=tokenizer,
         train_max_len=cfg.data.max_len,
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
@@ -196,15 +146,15 @@ def setup_run(cfg: DictConfig):
         print(f"Initialised weights from {cfg.init_from}")
     shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
 
-    sample = TextSample(tokenizer, run_dir, **OmegaConf.to_container(cfg.sample, resolve=True))
-    logger = build_logger(cfg.logger, run_dir, cfg)
     trainer = build_trainer(
         cfg.trainer,
-        logger=logger,
-        callbacks=build_callbacks(cfg.callbacks, run_dir, sample, log_lr=bool(logger)),
+        logger=build(cfg.logger),
+        callbacks=[*build_callbacks(cfg.callbacks), build(cfg.sample, tokenizer=tokenizer)],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
+    for logger in trainer.loggers:  # the composed config beside the metrics (wandb's run page, hparams.yaml)
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return run_dir, datamodule, module, trainer, ckpt_path
 
 
@@ -246,19 +196,17 @@ def remove_empty_run_dir(run_dir: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="train")
+@one_sentence_errors(errors=(*USER_ERRORS, NonFiniteLossError))
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         metrics = train(cfg)
-    except SIGTERMException:  # the scheduler asked us to stop: SaveOnSigterm already wrote last.ckpt
+    except SIGTERMException:  # the scheduler asked us to stop: SaveLastCheckpoint already wrote last.ckpt
         print(f"Stopped by SIGTERM; resume with: python train.py run_name={run_dir.name} ckpt_path=last")
         sys.exit(0)
-    except (DataError, CheckpointError, NonFiniteLossError, ValueError) as e:  # one sentence, no traceback
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the developer's switch for the full traceback
-            raise
+    except BaseException:  # refused or failed before training: leave no run directory behind
         remove_empty_run_dir(run_dir)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise
     return metrics.get("val/loss")  # Hydra sweepers can minimise this
 
 

@@ -1,8 +1,11 @@
-"""Checkpoints: safe loading (never unpickles code), atomic saving, and rebuilding a model alone.
+"""Checkpoints: this project's format (written and read here only), safe loading (never unpickles code),
+atomic saving, and rebuilding a model alone.
 
-A training checkpoint is Lightning's dict plus three plain entries written by the
-LightningModule: `model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"})
-and `train_max_len`. That is all generate.py and the scripts need to rebuild model + tokenizer.
+The format: a dict holding the network's weights under `state_dict` (names prefixed `model.`, as
+Lightning writes a LitLlama's) and the plain entries of `format_entries`: `format_version`,
+`model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"}) and `train_max_len`. That is
+all generate.py and the scripts need to rebuild model + tokenizer. A training checkpoint is Lightning's
+dict with these entries added (training/module.py); scripts/import_hf.py writes `weights_checkpoint`.
 """
 
 from __future__ import annotations
@@ -14,11 +17,20 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.config import ModelConfig
 from model.llama import Llama
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
+
+# Raise it when an entry changes meaning, and teach `read_entries` the older versions; a checkpoint
+# without the entry is version 1.
+FORMAT_VERSION = 1
+STATE_PREFIX = "model."  # LitLlama's attribute holding the network: Lightning prefixes its weights with it
 
 
 class CheckpointError(ValueError):
@@ -108,13 +120,48 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         raise
 
 
+def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, train_max_len: int | None) -> dict:
+    """The plain entries a checkpoint carries beside the weights: the model config, the tokenizer file
+    (path + sha256; none for a module trained without one) and the length the model was trained at."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_config": config.to_dict(),
+        "tokenizer": {"path": str(Path(tokenizer.path).resolve()), "sha256": tokenizer.sha256}
+        if tokenizer
+        else {},
+        "train_max_len": train_max_len,
+    }
+
+
+def weights_checkpoint(model: Llama, tokenizer: Tokenizer, train_max_len: int | None) -> dict:
+    """A checkpoint of weights only (no training state): what generate.py, the scripts and `init_from` read."""
+    state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
+    return {"state_dict": state, **format_entries(model.config, tokenizer, train_max_len)}
+
+
+def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict, int | None]:
+    """(model config, tokenizer {"path", "sha256"}, train_max_len) of a checkpoint read from `path`."""
+    if "model_config" not in ckpt:
+        raise CheckpointError(f"{path} has no 'model_config'; it was not written by this project's train.py.")
+    version = ckpt.get("format_version", 1)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} is in checkpoint format {version!r}, but this code reads format {FORMAT_VERSION}; "
+            "use the version of this project that wrote it."
+        )
+    try:
+        config = ModelConfig.from_dict(dict(ckpt["model_config"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} has an invalid model_config: {e}") from None
+    return config, dict(ckpt.get("tokenizer") or {}), ckpt.get("train_max_len")
+
+
 def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
-    """The network's weights: Lightning's `state_dict` with the module prefix stripped."""
+    """The network's weights: the checkpoint's `state_dict` with the module prefix stripped."""
     state = ckpt.get("state_dict")
     if not isinstance(state, dict):
         raise CheckpointError("The checkpoint has no 'state_dict' entry.")
-    prefix = "model."
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
+    return {k[len(STATE_PREFIX) :]: v for k, v in state.items() if k.startswith(STATE_PREFIX)} or state
 
 
 def check_weights_fit(model: torch.nn.Module, state: dict, context: str) -> None:
@@ -160,20 +207,14 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
     """Rebuild the model (eval mode, weights loaded strictly) from a checkpoint file or run dir."""
     p = resolve_checkpoint(path)
     ckpt = safe_load(p, map_location)
-    if "model_config" not in ckpt:
-        raise CheckpointError(f"{p} has no 'model_config'; it was not written by this project's train.py.")
-    try:
-        config = ModelConfig.from_dict(dict(ckpt["model_config"]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{p} has an invalid model_config: {e}") from None
+    config, tokenizer, train_max_len = read_entries(ckpt, p)
     model = Llama(config)
     load_weights(model, model_state_from_checkpoint(ckpt), f"{p} weights do not match its model_config")
-    tok = ckpt.get("tokenizer") or {}
     return LoadedCheckpoint(
         model=model.eval(),
         config=config,
-        tokenizer_path=tok.get("path"),
-        tokenizer_sha256=tok.get("sha256"),
-        train_max_len=ckpt.get("train_max_len"),
+        tokenizer_path=tokenizer.get("path"),
+        tokenizer_sha256=tokenizer.get("sha256"),
+        train_max_len=train_max_len,
         path=p,
     )

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from inference.generation import left_pad, override_rope, score_tokens
+from inference.generation import left_pad, score_tokens
 from model.kv_cache import KVCache
 from model.llama import Llama
-from model.rope import SCALINGS, RopeConfig
+from model.rope import SCALINGS, RopeConfig, override_rope
 
 CKPT_METHOD = "ckpt"  # the checkpoint's own RoPE, unchanged (e.g. a PI / YaRN fine-tune)
 METHODS = (*SCALINGS, CKPT_METHOD)
@@ -218,12 +218,10 @@ def continuation_logprobs(
     n, longest = max(map(len, prompts)), max(len(c) for row in candidates for c in row)
     idx, position_ids, key_mask = left_pad(prompts, 0, n + longest, device)
     cache = KVCache.for_model(
-        model.config,
+        model,
         len(prompts),
         n + longest,
-        device=device,
-        dtype=model.embed.weight.dtype,
-        rope_seq_len=max(len(p) + max(map(len, row)) for p, row in zip(prompts, candidates)),
+        seq_len=max(len(p) + max(map(len, row)) for p, row in zip(prompts, candidates)),
     )
     cache.key_mask = key_mask
     last = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1:]  # (B, 1, V) after each prompt

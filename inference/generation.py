@@ -19,16 +19,15 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from inference.memory import check_fits, forward_bytes
-from kernels.cpu_decode import NativeDecodeStep, NativeDecodeUnavailable
+from kernels.cpu_decode import NativeDecodeUnavailable, NativeStep
 from model.kv_cache import KVCache
 from model.llama import Llama
-from model.rope import RopeConfig
 
 
 class GenerationError(ValueError):
@@ -122,7 +121,7 @@ class Generation:
     prefill_seconds: float  # prompt forward + first token, synced
     decode_steps: int  # timed one-token forwards after the prefill
     decode_seconds: float
-    compile_seconds: float = 0.0  # compile=True: the first decode step, which builds or loads the graph
+    compile_seconds: float = 0.0  # compile=True: the first CompiledStep call, which builds or loads the graph
 
     @property
     def generated_tokens(self) -> int:
@@ -241,10 +240,10 @@ def generate(
     seed: seeds the torch.Generator used for sampling (same seed, same output).
     on_token(row, token): called on the host for each new token of an unfinished row; return True
         to stop that row (e.g. a stop string was completed). The row keeps the token.
-    compile: decode through `torch.compile(model.decode_step)`: fixed shapes over the whole cache,
-        built once per cache shape (seconds on a CPU), then about 1.5x faster per token.
-    native: decode through the C step of kernels/cpu_decode.c (one sequence, float32, CPU; built once
-        per machine in about a second): the fastest CPU path. Not together with compile.
+    compile: decode through `CompiledStep` (torch.compile of `fixed_shape_step`): fixed shapes over
+        the whole cache, built once per cache shape (seconds on a CPU), then faster per token.
+    native: decode through `NativeStep`, the C step of kernels/cpu_decode.c (one sequence, float32,
+        CPU; built once per machine): the fastest CPU path. Not together with compile.
     Generation ends when every row stopped or after max_new_tokens steps. Every argument and the
     memory needed are checked first (check_generation): a refusal allocates nothing.
     """
@@ -260,14 +259,7 @@ def generate(
     device = model.embed.weight.device
     n, batch = max(map(len, prompts)), len(prompts)
     idx, position_ids, key_mask = left_pad(prompts, start_pos, capacity, device)
-    cache = KVCache.for_model(
-        model.config,
-        batch,
-        capacity,
-        device=device,
-        dtype=model.embed.weight.dtype,
-        rope_seq_len=start_pos + n + max_new_tokens,  # fixed for the whole generation (dynamic NTK)
-    )
+    cache = KVCache.for_model(model, batch, capacity, seq_len=start_pos + n + max_new_tokens)
     cache.key_mask = key_mask
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -275,11 +267,11 @@ def generate(
 
     if native:
         try:
-            decode = NativeDecodeStep(model, cache, position_ids)
+            one_token = NativeStep(model, cache, position_ids)
         except NativeDecodeUnavailable as e:
             raise GenerationError(str(e)) from None
     else:
-        decode = DecodeStep(model, cache, position_ids, compile)
+        one_token = (CompiledStep if compile else EagerStep)(model, cache, position_ids)
     untimed = 1 if compile else 0  # the first compiled step builds the graph: timed on its own
 
     t0 = time.perf_counter()
@@ -301,16 +293,56 @@ def generate(
             t1 = time.perf_counter()
         if not any(active) or step == max_new_tokens - 1:
             break
-        logits = decode(next_token[:, None])
+        logits = one_token(next_token[:, None])
     t2 = time.perf_counter()
     decode_steps = max(step - untimed, 0)
     return Generation(tokens, sum(map(len, prompts)), t_prefill - t0, decode_steps, t2 - t1, t1 - t_prefill)
 
 
-# torch.compile options of the decode step. cpp_wrapper: the graph's kernel calls run from C++, not
-# Python (docs/performance.md has the gain). The guard filter skips re-checking torch.nn's own modules
-# (Linear, RMSNorm, Embedding) on every call; their weights are graph inputs, so
-# new values are still used, and our own modules (the attention's RoPE layout) stay guarded.
+# ----------------------------------------------------------------------------- one-token steps
+# The decode loop of `generate` calls one of three steps, all with one contract: token ids (B, 1) ->
+# next-token logits (B, V), the tokens' keys and values written at slot `cache.length`, the cache
+# advanced by one. position_ids: (B, slots), the position of every slot of the generation.
+#   EagerStep     the model's forward over the filled slots: the reference
+#   CompiledStep  `fixed_shape_step` under torch.compile (generate(compile=True))
+#   NativeStep    the C step of kernels/cpu_decode.py (generate(native=True))
+
+
+class EagerStep:
+    """The model's forward for one token per row over the filled cache slots."""
+
+    def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor):
+        self.model, self.cache, self.position_ids = model, cache, position_ids
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        positions = self.position_ids[:, self.cache.length, None]  # (B, 1)
+        return self.model(token, position_ids=positions, kv_cache=self.cache)[:, -1]
+
+
+def fixed_shape_step(
+    model: Llama,
+    token: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    slot: torch.Tensor,
+) -> torch.Tensor:
+    """The one-token forward whose shapes never change: token ids (B, 1) written at the (1,) long
+    cache `slot`, attending over every slot under the slot mask (KVCache.at_slot) -> logits (B, V).
+
+    cos, sin: (B, 1, R) or (1, R) for the tokens' positions (rope.cos_sin). No Python number in it
+    changes from step to step, so torch.compile builds it once per cache shape. The caller advances
+    the cache.
+    """
+    write = cache.at_slot(slot)
+    x = model.hidden_states(model.embed(token), cos, sin, write, write.mask())
+    return model.lm_head(x[:, -1])
+
+
+# torch.compile options of the fixed-shape step. cpp_wrapper: the graph's kernel calls run from C++,
+# not Python (docs/performance.md has the gain). The guard filter skips re-checking torch.nn's own
+# modules (Linear, RMSNorm, Embedding) on every call; their weights are graph inputs, so new values
+# are still used, and our own modules (the shared rope, whose config sets the layout) stay guarded.
 COMPILE_OPTIONS = {
     "cpp_wrapper": True,
     "guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
@@ -318,34 +350,26 @@ COMPILE_OPTIONS = {
 
 
 @functools.cache
-def compiled_decode_step() -> Callable:
-    """torch.compile of `Llama.decode_step(model, ...)`, wrapped once per process: building the
-    wrapper costs about 1 ms, which every generate(compile=True) call paid when it made its own.
-    The model is an argument, so any model shares it; Dynamo builds one graph per cache shape."""
-    return torch.compile(Llama.decode_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+def compiled_fixed_shape_step() -> Callable:
+    """torch.compile of `fixed_shape_step`, wrapped once per process rather than once per generation
+    (building the wrapper is not free). The model is an argument, so any model shares it; Dynamo
+    builds one graph per cache shape."""
+    return torch.compile(fixed_shape_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
 
 
-class DecodeStep:
-    """The one-token forward of the decode loop: token ids (B, 1) -> next-token logits (B, V).
+class CompiledStep:
+    """`fixed_shape_step` under torch.compile. The positions' cos/sin are gathered outside the graph,
+    and the slot is a tensor, so the graph sees no Python number that changes."""
 
-    Eager: the model's forward over the filled cache slots. Compiled: `Llama.decode_step`, whose
-    shapes never change (it attends over every slot under a mask), under torch.compile; the
-    position gather stays outside so the compiled graph has no Python number that changes.
-    """
-
-    def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor, compile: bool):
-        self.model, self.cache, self.position_ids = model, cache, position_ids  # position_ids: (B, slots)
-        self.step = compiled_decode_step() if compile else None
+    def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor):
+        self.model, self.cache, self.position_ids = model, cache, position_ids
+        self.step = compiled_fixed_shape_step()
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         positions = self.position_ids[:, cache.length, None]  # (B, 1)
-        if self.step is None:
-            return self.model(token, position_ids=positions, kv_cache=cache)[:, -1]
-        dtype = self.model.embed.weight.dtype
-        cos, sin = self.model.rope.cos_sin(positions, dtype, seq_len=cache.rope_seq_len)
-        cache.select_next_slot()
-        logits = self.step(self.model, token, cos, sin, cache)
+        cos, sin = self.model.rope.cos_sin(positions, self.model.embed.weight.dtype, seq_len=cache.seq_len)
+        logits = self.step(self.model, token, cos, sin, cache, cache.next_slot())
         cache.advance(1)
         return logits
 
@@ -461,9 +485,7 @@ def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int 
     rows = rows.to(device)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     position_ids = torch.arange(start_pos, start_pos + n, device=device)
-    cache = KVCache.for_model(
-        model.config, batch, n, device=device, dtype=model.embed.weight.dtype, rope_seq_len=start_pos + n
-    )
+    cache = KVCache.for_model(model, batch, n, seq_len=start_pos + n)
     losses = torch.empty(batch, n, device=device)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
@@ -501,25 +523,3 @@ def position_buckets(losses: torch.Tensor, train_len: int, start_pos: int = 0) -
             buckets.append(Bucket(lo, hi, last - first, float(losses[first:last].double().mean())))
         lo, hi = hi, 2 * hi
     return buckets
-
-
-# ----------------------------------------------------------------------------- rope override
-
-
-def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = None) -> RopeConfig:
-    """The checkpoint's RoPE with an inference-time override applied (e.g. a configs/rope group).
-
-    `layout` and `rotary_dim` always stay the checkpoint's: they describe how the weights were
-    trained. `original_max_len: None` means the checkpoint's training length.
-    """
-    known = {f.name for f in fields(RopeConfig)}
-    unknown = sorted(set(override) - known)
-    if unknown:
-        raise GenerationError(f"Unknown rope keys {unknown}; allowed keys are {sorted(known)}.")
-    values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
-    if values.get("original_max_len") is None:
-        values["original_max_len"] = train_max_len or base.original_max_len
-    try:
-        return replace(base, **values)
-    except TypeError as e:  # e.g. a string where a number belongs
-        raise GenerationError(f"Invalid rope override {values}: {e}.") from None

@@ -1,8 +1,8 @@
 /* One decode step of model/llama.py's Llama for ONE sequence, float32, on the CPU.
  *
  * Why C: a batch-1 decode step is bound by reading the weights (16 MiB for the default model), and
- * the torch / torch.compile step spends about as long again between its ~40 kernels, each with its
- * own thread fork and join. Here the whole step is one OpenMP parallel region: the threads split
+ * the torch / torch.compile step spends about as long again between its dozens of kernels, each with
+ * its own thread fork and join. Here the whole step is one OpenMP parallel region: the threads split
  * every matrix-vector product by rows and meet at a barrier between operations. The maths is the
  * model's, line for line (RMSNorm, fused qkv, RoPE, GQA attention, SwiGLU, tied head); tests check
  * it against the torch forward (tests/test_generate.py). kernels/cpu_decode.py builds and calls it.
@@ -63,7 +63,7 @@ static void rope(float *v, const float *cos, const float *sin, int rotary_dim, i
 }
 
 /* exp(x) for the x <= 0 of a softmax after its max is subtracted, in a form the compiler vectorizes
- * (libm's expf is a call per element, 7x slower here): x = k ln2 + r with k an integer and |r| <= ln2/2
+ * (libm's expf is a call per element; docs/performance.md): x = k ln2 + r with k an integer and |r| <= ln2/2
  * (ln 2 split in two, so k * hi is exact: Cody-Waite), exp(r) from its Taylor series to degree 7, and
  * 2^k written into a float's exponent bits. Relative error < 1e-7, i.e. within a float ulp. */
 static inline float exp_nonpositive(float x) {
@@ -161,7 +161,7 @@ static void attend(const float *q, const float *keys, const float *values, float
 
 /* Embed `token`, write its rotated key and value at cache `slot`, attend over slots 0..slot, and
  * write the next-token logits (V floats). cos / sin: the R-float rows of the token's position. */
-void decode_step(const Model *m, int token, int slot, const float *cos, const float *sin, float *logits) {
+void native_step(const Model *m, int token, int slot, const float *cos, const float *sin, float *logits) {
     const int C = m->d_model, H = m->n_heads, KV = m->n_kv_heads, D = m->head_dim, F = m->ffn_hidden;
     const int group = H / KV; /* query heads per KV head */
     memcpy(m->x, m->embed + (size_t)token * C, sizeof(float) * C);

@@ -1,8 +1,10 @@
 """The C decode step (kernels/cpu_decode.c): built once per machine, bound with ctypes, called per token.
 
-`generate(..., native=True)` (and `generate.py native=true`) decodes through it: one sequence,
-float32, on the CPU. The prompt still goes through the torch forward, which fills the same KV cache
-the C step then reads and extends. Why C: kernels/cpu_decode.c, first comment.
+A drop-in for generation's eager one-token step (inference/generation.py `EagerStep`), checked
+against the torch forward (tests/test_generate.py). `generate(..., native=True)` (and
+`generate.py native=true`) decodes through it: one sequence, float32, on the CPU. The prompt still
+goes through the torch forward, which fills the same KV cache the C step then reads and extends.
+Why C: kernels/cpu_decode.c, first comment.
 
 The library is compiled with the system's C compiler (`$CC`, else `cc`) and OpenMP, for this CPU
 (-march=native), into ~/.cache/rope-llama/ (or $XDG_CACHE_HOME) under a name hashed from the source,
@@ -25,10 +27,13 @@ from pathlib import Path
 
 import torch
 
+from inference.device import cpuinfo_value
+from kernels.rms_norm import rms_norm_eps
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-# gcc gives AVX-512 CPUs 256-bit vectors by default; 512-bit ones read the weights ~20% faster here.
-# Other compilers or CPUs may refuse the flag: the build then retries without it.
+# gcc gives AVX-512 CPUs 256-bit vectors by default; 512-bit ones read the weights faster
+# (docs/performance.md). Other compilers or CPUs may refuse the flag: the build then retries without it.
 WIDE_VECTORS = ["-mprefer-vector-width=512"]
 
 
@@ -55,7 +60,7 @@ def build(compiler: str, target: Path) -> None:
         workdir = tempfile.TemporaryDirectory(dir=target.parent)
     except OSError as e:
         raise NativeDecodeUnavailable(
-            f"cannot write the compiled decode step to {target.parent}: {e.strerror}; "
+            f"cannot write the compiled C step to {target.parent}: {e.strerror}; "
             "set XDG_CACHE_HOME to a writable directory."
         ) from None
     with workdir as tmp:
@@ -104,15 +109,12 @@ class _Model(ctypes.Structure):
 def cpu_features() -> str:
     """The CPU's feature flags (Linux), else its name: part of the library's cache key, since
     -march=native code built on one CPU may crash on another sharing the same home directory."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    flags = [line for line in lines if line.startswith(("flags", "Features"))]
-    return flags[0] if flags else platform.processor()
+    return cpuinfo_value("flags", "Features") or platform.processor()
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled C step, built on first use (about a second) and loaded once per process."""
+    """The compiled C step, built on first use and loaded once per process."""
     compiler = c_compiler()
     key = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), cpu_features().encode()]
     tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
@@ -121,8 +123,8 @@ def library() -> ctypes.CDLL:
         build(compiler, target)
     lib = ctypes.CDLL(str(target))
     pointer = ctypes.c_void_p
-    lib.decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
-    lib.decode_step.restype = None
+    lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
+    lib.native_step.restype = None
     return lib
 
 
@@ -143,8 +145,8 @@ def check_supported(model, cache) -> None:
         raise NativeDecodeUnavailable("native decoding has no dropout; call model.eval() first.")
 
 
-class NativeDecodeStep:
-    """The C decode step with generation.DecodeStep's contract: token ids (1, 1) -> logits (1, V).
+class NativeStep:
+    """The C decode step with generation.EagerStep's contract: token ids (1, 1) -> logits (1, V).
 
     Writes the token's key and value at slot `cache.length` and advances the cache. cos/sin of every
     position of the generation are gathered once here (position_ids: (1, slots)), so a step does no
@@ -156,7 +158,7 @@ class NativeDecodeStep:
         self.lib, self.cache = library(), cache
         cfg, blocks = model.config, model.blocks
         # cos/sin of every slot's position, (1, slots, R) -> (slots, R)
-        cos, sin = model.rope.cos_sin(position_ids, torch.float32, seq_len=cache.rope_seq_len)
+        cos, sin = model.rope.cos_sin(position_ids, torch.float32, seq_len=cache.seq_len)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         scratch = {
             "x": cfg.d_model,
@@ -186,7 +188,7 @@ class NativeDecodeStep:
             interleaved=int(cfg.rope.layout != "half"),
             capacity=cache.capacity,
             n_threads=torch.get_num_threads(),  # the same thread count torch uses
-            eps=blocks[0].attn_norm.eps_for(torch.float32),  # every norm of the model has the same eps
+            eps=rms_norm_eps(blocks[0].attn_norm, torch.float32),  # every norm of the model has the same eps
             embed=model.embed.weight.data_ptr(),
             head=model.lm_head.weight.data_ptr(),
             final_norm=model.norm.weight.data_ptr(),
@@ -209,7 +211,7 @@ class NativeDecodeStep:
         if not 0 <= token_id < self.vocab_size:  # the C code would read outside the embedding
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size}).")
         logits = torch.empty(1, self.vocab_size)
-        self.lib.decode_step(
+        self.lib.native_step(
             ctypes.byref(self.model_struct),
             token_id,
             slot,

@@ -63,22 +63,26 @@ def hf_rope_parameters(rope: RopeConfig, head_dim: int) -> tuple[dict, int | Non
     return params, max_positions
 
 
+CONFIG_NAMES = {  # ModelConfig field -> LlamaConfig key, for both directions
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "ffn_hidden": "intermediate_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "norm_eps": "rms_norm_eps",
+    "init_std": "initializer_range",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None) -> dict:
     """Keyword arguments for transformers.LlamaConfig equivalent to `cfg`."""
     rope_parameters, max_override = hf_rope_parameters(cfg.rope, cfg.head_dim)
-    return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
+    return {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_NAMES.items()} | dict(
         head_dim=cfg.head_dim,
         hidden_act="silu",
         max_position_embeddings=max_override or max_position_embeddings or cfg.rope.original_max_len,
-        rms_norm_eps=cfg.norm_eps,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
         rope_parameters=rope_parameters,
@@ -136,16 +140,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise ExportError(f"{key}={hf[key]!r} is not supported; this model needs {key}={allowed!r}.")
     if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
         raise ExportError(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads is not supported.")
+    hf = {"tie_word_embeddings": False} | hf  # transformers' default, where ours ties
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        ffn_hidden=hf["intermediate_size"],
-        norm_eps=hf["rms_norm_eps"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=hf.get("initializer_range", 0.02),
+        **{ours: hf[theirs] for ours, theirs in CONFIG_NAMES.items() if hf.get(theirs) is not None},
         rope=source_rope(hf) or rope_config_from_hf(hf["rope_parameters"], hf["max_position_embeddings"]),
     )
 
@@ -175,54 +172,63 @@ def half_to_interleaved(weight: torch.Tensor, n_heads: int, head_dim: int) -> to
     return w.transpose(1, 2).reshape(n_heads * head_dim, -1)
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict (fused qkv / gate_up) -> LlamaForCausalLM names (split projections)."""
-    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
+def hf_names(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """The one weight mapping, both directions derive from it: each of our tensors -> the LlamaForCausalLM
+    tensors it holds, with their rows. A fused tensor of ours (q/k/v, gate/up) is theirs concatenated
+    along dim 0 in this order; a tied head is their embedding (not stored apart)."""
+    H, KV, D, F, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.d_model
+    names = {
+        "embed.weight": [("model.embed_tokens.weight", cfg.vocab_size)],
+        "norm.weight": [("model.norm.weight", d)],
+        "lm_head.weight": [
+            ("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight", cfg.vocab_size)
+        ],
+    }
     for i in range(cfg.n_layers):
         p, hp = f"blocks.{i}.", f"model.layers.{i}."
-        q, k, v = state[p + "attn.qkv.weight"].split([H * D, KV * D, KV * D])
-        if cfg.rope.layout == "interleaved":
-            q, k = interleaved_to_half(q, H, D), interleaved_to_half(k, KV, D)
-        gate, up = state[p + "mlp.gate_up.weight"].chunk(2)
-        out.update(
-            {
-                hp + "self_attn.q_proj.weight": q,
-                hp + "self_attn.k_proj.weight": k,
-                hp + "self_attn.v_proj.weight": v,
-                hp + "self_attn.o_proj.weight": state[p + "attn.o_proj.weight"],
-                hp + "mlp.gate_proj.weight": gate,
-                hp + "mlp.up_proj.weight": up,
-                hp + "mlp.down_proj.weight": state[p + "mlp.down_proj.weight"],
-                hp + "input_layernorm.weight": state[p + "attn_norm.weight"],
-                hp + "post_attention_layernorm.weight": state[p + "mlp_norm.weight"],
-            }
-        )
+        names |= {
+            p + "attn.qkv.weight": [
+                (hp + "self_attn.q_proj.weight", H * D),
+                (hp + "self_attn.k_proj.weight", KV * D),
+                (hp + "self_attn.v_proj.weight", KV * D),
+            ],
+            p + "attn.o_proj.weight": [(hp + "self_attn.o_proj.weight", d)],
+            p + "mlp.gate_up.weight": [(hp + "mlp.gate_proj.weight", F), (hp + "mlp.up_proj.weight", F)],
+            p + "mlp.down_proj.weight": [(hp + "mlp.down_proj.weight", d)],
+            p + "attn_norm.weight": [(hp + "input_layernorm.weight", d)],
+            p + "mlp_norm.weight": [(hp + "post_attention_layernorm.weight", d)],
+        }
+    return names
+
+
+def rotated_heads(cfg: ModelConfig) -> dict[str, int]:
+    """Their q/k projections -> head count: the rows an interleaved RoPE layout permutes (q.k is unchanged,
+    as q and k get the same permutation)."""
+    return {
+        f"model.layers.{i}.self_attn.{proj}.weight": heads
+        for i in range(cfg.n_layers)
+        for proj, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads))
+    }
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict (fused qkv / gate_up) -> LlamaForCausalLM names (split projections)."""
+    out = {}
+    for ours, parts in hf_names(cfg).items():
+        out |= dict(zip([name for name, _ in parts], state[ours].split([rows for _, rows in parts])))
+    if cfg.rope.layout == "interleaved":
+        out |= {
+            name: interleaved_to_half(out[name], heads, cfg.head_dim)
+            for name, heads in rotated_heads(cfg).items()
+        }
     return {name: t.detach().clone().contiguous() for name, t in out.items()}
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of `to_hf_state_dict`: LlamaForCausalLM names -> our fused state dict."""
-    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    out["lm_head.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_embeddings else hf["lm_head.weight"]
-    for i in range(cfg.n_layers):
-        p, hp = f"blocks.{i}.", f"model.layers.{i}."
-        q, k = hf[hp + "self_attn.q_proj.weight"], hf[hp + "self_attn.k_proj.weight"]
-        if cfg.rope.layout == "interleaved":
-            q, k = half_to_interleaved(q, H, D), half_to_interleaved(k, KV, D)
-        out.update(
-            {
-                p + "attn.qkv.weight": torch.cat([q, k, hf[hp + "self_attn.v_proj.weight"]]),
-                p + "attn.o_proj.weight": hf[hp + "self_attn.o_proj.weight"],
-                p + "mlp.gate_up.weight": torch.cat(
-                    [hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]]
-                ),
-                p + "mlp.down_proj.weight": hf[hp + "mlp.down_proj.weight"],
-                p + "attn_norm.weight": hf[hp + "input_layernorm.weight"],
-                p + "mlp_norm.weight": hf[hp + "post_attention_layernorm.weight"],
-            }
-        )
-    return out
+    if cfg.rope.layout == "interleaved":
+        hf = hf | {
+            name: half_to_interleaved(hf[name], heads, cfg.head_dim)
+            for name, heads in rotated_heads(cfg).items()
+        }
+    return {ours: torch.cat([hf[name] for name, _ in parts]) for ours, parts in hf_names(cfg).items()}

@@ -3,17 +3,26 @@
 Cache slots are independent from RoPE positions: slot 0 may hold a token at position 10_000.
 Keys are stored after rotation, so decoding never re-rotates old keys.
 
-Two ways to write: the default appends at the Python-int `length` and attention covers the filled
-slots (any number of tokens, shapes change every step); with `write_slot` set (a (1,) tensor), a
-one-token step writes there and attention covers every slot under `slot_mask()`: shapes stay fixed,
-so `torch.compile` builds the decode step once (inference/generation.py, compile=True).
+Two ways to write, chosen by what the caller hands the model as its cache:
+- the KVCache itself: `update` appends at the Python-int `length` and attention covers the filled
+  slots (any number of tokens; shapes change every step). This is what `model(..., kv_cache=cache)`
+  always does.
+- `cache.at_slot(slot)`, a SlotWrite: one token per row is written at the (1,) tensor `slot` and
+  attention covers every slot under `SlotWrite.mask()`. Shapes stay fixed, so `torch.compile` builds
+  such a step once (inference/generation.py, compile=True). The cache keeps no trace of it: nothing
+  but an explicit SlotWrite takes this path.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from inference.memory import check_fits
+
+if TYPE_CHECKING:
+    from model.llama import Llama
 
 
 def cache_bytes(
@@ -38,10 +47,10 @@ class KVCache:
         head_dim: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        rope_seq_len: int | None = None,
+        seq_len: int | None = None,
     ):
-        """rope_seq_len: the total length dynamic-NTK RoPE is scaled for during this generation
-        (None = the largest position seen so far); fixed so keys already cached stay consistent."""
+        """seq_len: the sequence length RoPE is computed for during this generation (dynamic NTK's
+        scale; None = the largest position seen so far), fixed so keys already cached stay consistent."""
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be a positive number of tokens, got {capacity}.")
         check_fits(
@@ -56,28 +65,28 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.key_mask: torch.Tensor | None = None  # (B, capacity) bool; False marks padding slots
-        self.rope_seq_len = rope_seq_len
+        self.seq_len = seq_len
         self.length = 0  # filled slots, a Python int so the decode loop never syncs with the device
-        self.write_slot: torch.Tensor | None = None  # (1,) long: static-shape one-token writes go here
-        self._slots = torch.arange(capacity, device=device)
+        self._slots = torch.arange(capacity, device=device)  # slot indices: SlotWrite's slot and mask
 
     @classmethod
-    def for_model(cls, config, batch_size: int, capacity: int, device=None, dtype=None, rope_seq_len=None):
-        """Cache shaped for a ModelConfig."""
+    def for_model(cls, model: Llama, batch_size: int, capacity: int, seq_len: int | None = None) -> KVCache:
+        """Cache shaped for `model`'s config, on the device and in the dtype of its weights."""
+        config, weight = model.config, model.embed.weight
         return cls(
             config.n_layers,
             batch_size,
             config.n_kv_heads,
             capacity,
             config.head_dim,
-            device=device or "cpu",
-            dtype=dtype or torch.float32,
-            rope_seq_len=rope_seq_len,
+            device=weight.device,
+            dtype=weight.dtype,
+            seq_len=seq_len,
         )
 
     @staticmethod
     def bytes_for_model(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
-        """What `for_model` with these arguments allocates (cache_bytes for a ModelConfig)."""
+        """What a cache of a model with this ModelConfig allocates in `dtype` (cache_bytes)."""
         return cache_bytes(config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim, dtype)
 
     @property
@@ -111,29 +120,47 @@ class KVCache:
             )
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v: (B, n_kv_heads, L, D) at the next slots (or at `write_slot`); return the
-        (B, KV, S, D) keys and values to attend over: the filled slots (or every slot)."""
-        if self.write_slot is not None:  # static shapes: index by a tensor, attend over all slots
-            self.k[layer][:, :, self.write_slot] = k
-            self.v[layer][:, :, self.write_slot] = v
-            return self.k[layer], self.v[layer]
+        """Write k, v: (B, KV, L, D) at the next L slots; return the (B, KV, S, D) keys and values of
+        the S = length + L filled slots, to attend over."""
         start, end = self.length, self.length + k.shape[2]
         self.k[layer][:, :, start:end] = k  # in-place: no per-step allocation
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def select_next_slot(self) -> None:
-        """Point `write_slot` at the next free slot (a view of a preallocated index: no allocation)."""
-        self.write_slot = self._slots[self.length : self.length + 1]
+    def next_slot(self) -> torch.Tensor:
+        """(1,) long index of the next free slot, a view of a preallocated index (no allocation)."""
+        return self._slots[self.length : self.length + 1]
 
-    def slot_mask(self) -> torch.Tensor:
-        """(B|1, 1, 1, capacity) bool for a one-token step at `write_slot`: the slots written so far,
-        padding excluded (the attention mask of the static-shape path)."""
-        mask = self._slots <= self.write_slot  # (capacity,)
-        if self.key_mask is not None:
-            return (mask & self.key_mask)[:, None, None, :]
-        return mask[None, None, None, :]
+    def at_slot(self, slot: torch.Tensor) -> SlotWrite:
+        """The fixed-shape way to write one token per row at `slot` (module docstring)."""
+        return SlotWrite(self, slot)
 
     def advance(self, new_tokens: int) -> None:
         """Called once per forward, after every layer wrote its keys."""
         self.length += new_tokens
+
+
+class SlotWrite:
+    """A one-token write into `cache` at the (1,) long tensor `slot`, whose shapes never change.
+
+    `update` has KVCache.update's contract, so the model's layers take either; it attends over every
+    slot of the cache, which `mask` restricts to the slots up to `slot` that are not padding.
+    The caller advances the cache.
+    """
+
+    def __init__(self, cache: KVCache, slot: torch.Tensor):
+        self.cache, self.slot = cache, slot
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v: (B, KV, 1, D) at `slot`; return the (B, KV, capacity, D) keys and values."""
+        keys, values = self.cache.k[layer], self.cache.v[layer]
+        keys[:, :, self.slot] = k
+        values[:, :, self.slot] = v
+        return keys, values
+
+    def mask(self) -> torch.Tensor:
+        """(B|1, 1, 1, capacity) bool attention mask: the slots written so far, padding excluded."""
+        mask = self.cache._slots <= self.slot  # (capacity,)
+        if self.cache.key_mask is not None:
+            return (mask & self.cache.key_mask)[:, None, None, :]
+        return mask[None, None, None, :]

@@ -18,13 +18,16 @@ is the single place that chooses between them. Formulas:
 - llama3:      wavelength bands: high frequencies kept, low ones / factor, smooth in between
 
 `transformers` (modeling_rope_utils) is the numerical reference for linear, dynamic, yarn
-and llama3; tests/test_rope.py checks parity against it.
+and llama3; tests/test_rope.py checks parity against it. `override_rope` changes the scaling of a
+trained model's RopeConfig at inference (generate.py rope=..., the evaluation scripts).
+
+This file is the plain reference; kernels/rope.py holds a faster drop-in for `rotate`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
 import torch
@@ -111,6 +114,25 @@ class RopeConfig:
             raise ValueError(f"rope attention_factor must be > 0, got {self.attention_factor}.")
         if self.max_position is not None and self.max_position < 1:
             raise ValueError(f"rope max_position must be a positive length or None, got {self.max_position}.")
+
+
+def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = None) -> RopeConfig:
+    """The checkpoint's RoPE with an inference-time override applied (e.g. a configs/rope group).
+
+    `layout` and `rotary_dim` always stay the checkpoint's: they describe how the weights were
+    trained. `original_max_len: None` means the checkpoint's training length.
+    """
+    known = {f.name for f in fields(RopeConfig)}
+    unknown = sorted(set(override) - known)
+    if unknown:
+        raise ValueError(f"Unknown rope keys {unknown}; allowed keys are {sorted(known)}.")
+    values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
+    if values.get("original_max_len") is None:
+        values["original_max_len"] = train_max_len or base.original_max_len
+    try:
+        return replace(base, **values)
+    except TypeError as e:  # e.g. a string where a number belongs
+        raise ValueError(f"Invalid rope override {values}: {e}.") from None
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -258,60 +280,8 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
-def _rotate_half_into(x: torch.Tensor, c1, c2, s1, s2) -> torch.Tensor:
-    """(x1*c1 - x2*s1, x2*c2 + x1*s2) written straight into the two halves of one output."""
-    out = torch.empty_like(x)
-    x1, x2 = x.chunk(2, dim=-1)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, c1, out=o1).addcmul_(x2, s1, value=-1)
-    torch.mul(x2, c2, out=o2).addcmul_(x1, s2)
-    return out
-
-
-def needs_custom_backward(*tensors: torch.Tensor) -> bool:
-    """True when autograd will run a backward through `tensors` in eager mode: the one case where the
-    hand-written autograd functions (_RotateHalf here, RMSNorm and SwiGLU in model/llama.py) beat
-    plain ops. Without autograd, Function.apply only adds microseconds per call; under torch.compile,
-    inductor fuses the plain formulas itself."""
-    return (
-        torch.is_grad_enabled()
-        and any(t.requires_grad for t in tensors)
-        and not torch.compiler.is_compiling()
-    )
-
-
-def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin (half layout) through _rotate_half_into."""
-    (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-    return _rotate_half_into(x, c1, c2, s1, s2)
-
-
-class _RotateHalf(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin for the half layout, about 1.5x faster than the plain formula
-    in eager mode (forward + backward): no rotate_half / cat temporaries, and the backward is the
-    transposed rotation (angle -> -angle), so only the small cos/sin tables are saved."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _rotate_half(x, cos, sin)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-        return _rotate_half_into(grad, c1, c2, -s2, -s1), None, None  # exact transpose for any tables
-
-
-def _broadcasts_into(shape: torch.Size, target: torch.Size) -> bool:
-    """True when a tensor of `shape` broadcasts against `target` without enlarging it. (Plain Python:
-    torch.broadcast_shapes imports sympy on its first call, 0.3 s of every process's first forward.)"""
-    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x; the rest pass through untouched.
+    """x * cos + rotate(x) * sin on the first R channels of x; the rest pass through untouched.
 
     x: (..., L, D); cos, sin: (L, R) or (B, L, R) with R <= D even, already in x's dtype.
     A (B, L, R) table gets singleton head dims inserted so it broadcasts against (B, ..., L, D).
@@ -321,16 +291,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     rotate = rotate_half if layout == "half" else rotate_pairs
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:
-        fast = (
-            layout == "half"
-            and not torch.compiler.is_compiling()  # inductor fuses the plain formula better
-            and cos.dtype == x.dtype
-            and not (cos.requires_grad or sin.requires_grad)
-            and _broadcasts_into(cos.shape, x.shape)  # the output has x's shape
-        )
-        if not fast:
-            return x * cos + rotate(x) * sin
-        return _RotateHalf.apply(x, cos, sin) if needs_custom_backward(x) else _rotate_half(x, cos, sin)
+        return x * cos + rotate(x) * sin
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
@@ -343,7 +304,7 @@ class RotaryEmbedding(nn.Module):
 
     rope(x, position_ids)         rotates x: (..., L, D); position_ids None (0..L-1), (L,) or (B, L).
     rope.cos_sin(position_ids, dtype, seq_len)  returns the gathered (cos, sin) once so every
-                                  layer can reuse them with `apply_rotary`.
+                                  layer can reuse them with `rope.rotate(x, cos, sin)`.
 
     The cos/sin table is shared by every caller, so it is safe across grad modes, dtypes and
     devices by construction, not by the callers' care:
@@ -376,35 +337,35 @@ class RotaryEmbedding(nn.Module):
     def cached_len(self) -> int:
         return 0 if self._cos is None else self._cos.shape[0]
 
-    def _frequencies(self, freq_len: int, device: torch.device) -> torch.Tensor:
-        """(R/2,) inverse frequencies on `device`; dynamic NTK's depend on the total length `freq_len`."""
+    def _frequencies(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """(R/2,) inverse frequencies on `device`; dynamic NTK's depend on the total length `seq_len`."""
         if self.is_dynamic:
-            return rope_frequencies(self.config, self.head_dim, seq_len=freq_len)[0].to(device)
+            return rope_frequencies(self.config, self.head_dim, seq_len=seq_len)[0].to(device)
         return self.inv_freq.to(device)
 
-    def _cos_sin_of(self, position_ids: torch.Tensor, freq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (..., R) float32, for position_ids (...) with frequencies for `freq_len`."""
-        inv_freq = self._frequencies(freq_len, position_ids.device)
+    def _cos_sin_of(self, position_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (..., R) float32, for position_ids (...) with frequencies for `seq_len`."""
+        inv_freq = self._frequencies(seq_len, position_ids.device)
         return rope_cos_sin(position_ids, inv_freq, self.attention_factor, self.config.layout)
 
-    def _build(self, capacity: int, freq_len: int, device: torch.device) -> None:
+    def _build(self, capacity: int, seq_len: int, device: torch.device) -> None:
         # A plain tensor that never requires grad, whatever mode the caller is in (class docstring).
         with torch.inference_mode(False), torch.no_grad():
             positions = torch.arange(capacity, device=device)
-            self._cos, self._sin = self._cos_sin_of(positions, freq_len)
-        self._cache_key = (freq_len if self.is_dynamic else None, device)
+            self._cos, self._sin = self._cos_sin_of(positions, seq_len)
+        self._cache_key = (seq_len if self.is_dynamic else None, device)
 
-    def _ensure(self, needed: int, freq_len: int, device: torch.device) -> None:
+    def _ensure(self, needed: int, seq_len: int, device: torch.device) -> None:
         """Grow (at least doubling, at most to TABLE_MAX_POSITIONS) or rebuild the table so
         positions < `needed` are covered; needed <= TABLE_MAX_POSITIONS."""
-        key = (freq_len if self.is_dynamic else None, device)
+        key = (seq_len if self.is_dynamic else None, device)
         if self._cos is not None and key == self._cache_key and needed <= self.cached_len:
             return
         capacity = max(needed, 2 * self.cached_len if key == self._cache_key else needed)
         if self.is_dynamic:
             capacity = needed  # the table is tied to one frequency length; no point over-allocating
         limit = min(TABLE_MAX_POSITIONS, self.config.max_position or TABLE_MAX_POSITIONS)
-        self._build(min(capacity, limit), freq_len, device)
+        self._build(min(capacity, limit), seq_len, device)
 
     def _check_capacity(self, needed: int) -> None:
         """Positions < `needed` must be within max_position and exact in float64."""
@@ -416,8 +377,8 @@ class RotaryEmbedding(nn.Module):
                 f"position {needed - 1} is beyond 2^53 - 1, the largest position RoPE keeps exact."
             )
 
-    def check_position_ids(self, position_ids: torch.Tensor, seq_len: int, batch: int | None) -> None:
-        """Validate shape and dtype of position ids for a sequence of `seq_len` tokens."""
+    def check_position_ids(self, position_ids: torch.Tensor, num_tokens: int, batch: int | None) -> None:
+        """Validate shape and dtype of position ids for `num_tokens` tokens (per row of `batch`)."""
         if (
             position_ids.dtype.is_floating_point
             or position_ids.dtype.is_complex
@@ -425,11 +386,11 @@ class RotaryEmbedding(nn.Module):
         ):
             raise ValueError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}.")
         shape = tuple(position_ids.shape)
-        if position_ids.ndim == 1 and shape[0] == seq_len:
+        if position_ids.ndim == 1 and shape[0] == num_tokens:
             return
-        if position_ids.ndim == 2 and shape[1] == seq_len and (batch is None or shape[0] in (1, batch)):
+        if position_ids.ndim == 2 and shape[1] == num_tokens and (batch is None or shape[0] in (1, batch)):
             return
-        expected = f"({seq_len},)" if batch is None else f"({seq_len},) or ({batch}, {seq_len})"
+        expected = f"({num_tokens},)" if batch is None else f"({num_tokens},) or ({batch}, {num_tokens})"
         raise ValueError(f"position_ids must have shape {expected}, got {shape}.")
 
     def cos_sin(
@@ -487,14 +448,21 @@ class RotaryEmbedding(nn.Module):
         moved = seq_dim not in (-2, x.ndim - 2)
         if moved:
             x = x.movedim(seq_dim, -2)
-        seq_len = x.shape[-2]
-        if position_ids is None:
-            cos, sin = self.cos_sin(None, x.dtype, seq_len=seq_len, device=x.device)
+        num_tokens = x.shape[-2]
+        if position_ids is None:  # positions 0..L-1: the sequence length is the token count
+            cos, sin = self.cos_sin(None, x.dtype, seq_len=num_tokens, device=x.device)
         else:
-            self.check_position_ids(position_ids, seq_len, x.shape[0] if x.ndim >= 3 else None)
+            self.check_position_ids(position_ids, num_tokens, x.shape[0] if x.ndim >= 3 else None)
             cos, sin = self.cos_sin(position_ids.to(x.device), x.dtype)
-        y = apply_rotary(x, cos, sin, self.config.layout)
+        y = self.rotate(x, cos, sin)
         return y.movedim(-2, seq_dim) if moved else y
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary` in this RoPE's layout: how every attention layer rotates q and k.
+
+        x: (..., L, D); cos, sin: (L, R) or (B, L, R) from `cos_sin`, in x's dtype.
+        """
+        return apply_rotary(x, cos, sin, self.config.layout)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -39,15 +39,19 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from data.tokenizer import train_tokenizer
-from inference.generation import GREEDY, DecodeStep, generate
-from kernels.cpu_decode import NativeDecodeStep
+from inference.cli import build, error_sentence
+from inference.device import DTYPES, cpu_model, resolve_device
+from inference.generation import GREEDY, CompiledStep, EagerStep, generate
+from kernels import use_kernels
+from kernels.cpu_decode import NativeStep
+from kernels.rope import apply_rotary
 from model.config import ModelConfig
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.kv_cache import KVCache
 from model.llama import Llama
-from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+from model.rope import RotaryEmbedding
 from scripts.export_gguf import gguf_writer, save
-from training.module import measure_matmul_peak
+from training.throughput import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(
@@ -151,12 +155,6 @@ class Progress:
         print(f"[bench {elapsed // 60}:{elapsed % 60:02d}] {self.done}/{self.total} {what}", file=sys.stderr)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def import_peers(names: list[str]) -> tuple[dict, dict]:
     """({peer: version} of those that import, {peer: reason} of those that do not)."""
     available, unavailable = {}, {}
@@ -167,18 +165,8 @@ def import_peers(names: list[str]) -> tuple[dict, dict]:
             importlib.import_module(PEER_MODULES[name])
             available[name] = importlib.metadata.version(PEER_PACKAGES[name])
         except Exception as e:  # any import failure means "unavailable", with the reason
-            unavailable[name] = (
-                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            )
+            unavailable[name] = f"{type(e).__name__}: {error_sentence(e)}"
     return available, unavailable
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else what platform knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown"
 
 
 def machine(device: torch.device) -> dict:
@@ -196,11 +184,10 @@ def machine(device: torch.device) -> dict:
 
 
 def model_config(shape: str, vocab: int, max_len: int) -> ModelConfig:
-    """The configs/model/<shape>.yaml group composed by Hydra, as train.py sees it."""
+    """The configs/model/<shape>.yaml group composed by Hydra and built as train.py builds it."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={shape}"])
-    kwargs = OmegaConf.to_container(cfg.model, resolve=True)
-    return ModelConfig(vocab_size=vocab, rope=RopeConfig(original_max_len=max_len), **kwargs)
+        cfg = compose("train", overrides=[f"model={shape}", f"data.max_len={max_len}"])
+    return build(cfg.model, vocab_size=vocab)
 
 
 def hf_twin(model: Llama):
@@ -250,7 +237,7 @@ def litgpt_twin(model: Llama, block_size: int):
 def build_models(cfg: ModelConfig, peers: dict, device: torch.device, block_size: int, seed: int) -> dict:
     """{side: model}: ours plus each available full-model peer, all with the same weights."""
     torch.manual_seed(seed)
-    ours = Llama(cfg)
+    ours = use_kernels(Llama(cfg))  # trains as train.py does by default (kernels: true)
     models = {"ours": ours}
     if "transformers" in peers:
         models["transformers"] = hf_twin(ours)
@@ -375,7 +362,7 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, d
             for _ in range(warmup):
                 fn()
         except Exception as e:  # e.g. torch.compile failing for one peer
-            errors[side] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            errors[side] = f"{type(e).__name__}: {error_sentence(e)}"
             del fns[side]
     times: dict[str, list[float]] = {side: [] for side in fns}
     for _ in range(repeats):
@@ -393,7 +380,10 @@ def ratios(values: dict) -> dict:
     return {side: values["ours"] / v for side, v in values.items() if side != "ours" and "ours" in values}
 
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {
+    "fp32": DTYPES["float32"],
+    "bf16": DTYPES["bfloat16"],
+}  # precision= -> the dtype every side uses
 
 
 def compute_dtype(args: dict, device: torch.device) -> torch.dtype:
@@ -425,7 +415,7 @@ def bench_train(cfg: ModelConfig, shape: str, args: dict, peers: dict, device, c
         forward = logits_fn(side, torch.compile(model) if compiled else model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def loss_fn():  # each side's own training loss: ours fuses the LM head into it (model/loss.py)
+        def loss_fn():  # each side's own training loss: ours fuses the LM head into it (kernels/loss.py)
             if side == "ours":
                 return forward(inputs, targets=targets)
             return F.cross_entropy(forward(inputs).flatten(0, 1).float(), targets.flatten())
@@ -525,7 +515,7 @@ def bench_generate(cfg: ModelConfig, args: dict, peers: dict, device, llama_cpp_
     both = first.keys() & full.keys()
     prefill = {side: P / first[side] for side in both}
     decode = {side: (N - 1) / max(full[side] - first[side], 1e-9) for side in both}
-    cache = KVCache.for_model(cfg, 1, P + N, device=device, dtype=dtype)
+    cache = KVCache.for_model(models["ours"], 1, P + N)
     return dict(
         decoders=decoders,  # decoders[0] is "ours"
         prompt_len=P,
@@ -561,14 +551,11 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Pa
     caches, steppers, twins, tokens = {}, {}, {}, {}
     for ctx in contexts:
         capacity = ctx + 1  # the prompt and the one slot every timed step writes
-        caches[ctx] = KVCache.for_model(cfg, 1, capacity, device=device, dtype=dtype, rope_seq_len=capacity)
+        caches[ctx] = KVCache.for_model(model, 1, capacity, seq_len=capacity)
         positions = torch.arange(capacity, device=device)[None]
         for path in paths:  # every path writes the same slot of the same cache
-            steppers[ctx, path] = (
-                NativeDecodeStep(model, caches[ctx], positions)
-                if path == "native"
-                else DecodeStep(model, caches[ctx], positions, compile=path == "compiled")
-            )
+            step_class = {"native": NativeStep, "compiled": CompiledStep, "eager": EagerStep}[path]
+            steppers[ctx, path] = step_class(model, caches[ctx], positions)
         prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)
         first = model(prompt, kv_cache=caches[ctx])[:, -1:].argmax(-1)
         tokens |= {(ctx, path): first for path in paths}
@@ -671,7 +658,7 @@ def matmul_peak(args: dict, device) -> float:
 
 # ----------------------------------------------------------------------------- report
 
-TARGETS = [  # (name, description, getter(results) -> value or None, comparison, threshold)
+TARGETS = [  # (name, description, comparison, threshold); target_values() measures each name
     ("train_eager_vs_transformers", "training tokens/s, default shape, eager, vs transformers", ">=", 1.25),
     (
         "train_compile_vs_transformers",
@@ -762,7 +749,7 @@ def main(argv: list[str]) -> dict:
     check_args(args)
     if args["threads"]:
         torch.set_num_threads(int(args["threads"]))
-    device = pick_device(args["device"])
+    device = resolve_device(args["device"])
     peers, unavailable = import_peers(list(args["peers"]))
     if LLAMA_CPP in peers and not llama_cpp_runs(args, device):
         del peers[LLAMA_CPP]

@@ -1,4 +1,4 @@
-"""What the evaluation scripts share: the CLI error convention, the method grid, held-out documents.
+"""What the evaluation scripts share: option checks, the method grid, held-out documents.
 
 Scripts put the repo root on sys.path and then `from scripts.common import ...`.
 """
@@ -6,37 +6,21 @@ Scripts put the repo root on sys.path and then `from scripts.common import ...`.
 from __future__ import annotations
 
 import csv
-import functools
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from inference.checkpoint import LoadedCheckpoint
+from inference.cli import build
 from inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
-from inference.generation import check_integer, override_rope
+from inference.generation import check_integer
+from model.rope import override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (tests)
-
-
-def one_sentence_errors(main):
-    """User errors (ValueError, OSError, bad config) print `error: <sentence>` and exit 2, as generate.py does."""
-
-    @functools.wraps(main)
-    def wrapper(cfg: DictConfig):
-        try:
-            return main(cfg)
-        except (ValueError, OSError, OmegaConfBaseException) as e:
-            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-            sys.exit(2)
-
-    return wrapper
 
 
 def require(cfg: DictConfig, keys: tuple[str, ...], usage: str) -> None:
@@ -134,7 +118,7 @@ def datamodule_for(cfg: DictConfig, ckpt: LoadedCheckpoint):
                 "(e.g. data=shakespeare) to say which data the checkpoint was trained on."
             )
         data_cfg = OmegaConf.load(saved).data
-    datamodule = instantiate(data_cfg)
+    datamodule = build(data_cfg)
     if ckpt.tokenizer_sha256 and datamodule.tokenizer.sha256 != ckpt.tokenizer_sha256:
         raise ValueError(
             f"The data's tokenizer ({datamodule.tokenizer.path}) is not the one {ckpt.path} was trained "

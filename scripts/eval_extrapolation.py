@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from generate import load
+from inference.cli import one_sentence_errors
 from inference.evaluation import (
     bootstrap_mean,
     bucket_curve,
@@ -33,13 +33,13 @@ from inference.evaluation import (
     window_losses,
 )
 from inference.generation import check_integer, check_scoring
+from inference.loading import load_model
 from scripts.common import (
     CONFIGS,
     check_common,
     long_documents,
     method_names,
     method_ropes,
-    one_sentence_errors,
     train_length,
     write_csv,
 )
@@ -176,7 +176,7 @@ def check_options(cfg: DictConfig) -> None:
 @torch.inference_mode()
 def run(cfg: DictConfig) -> list[dict]:
     check_options(cfg)
-    ckpt, _ = load(cfg)
+    ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     for length in cfg.lengths:  # before loading data; a shorter length may score more rows at once
         batch = rows_per_forward(cfg.batch_tokens, length)
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"

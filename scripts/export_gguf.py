@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from data.tokenizer import Tokenizer
 from inference.checkpoint import load_checkpoint, resolve_checkpoint
+from inference.cli import one_sentence_errors
 from model.config import ModelConfig
 from model.hf import ExportError, half_to_interleaved, hf_rope_parameters, to_hf_state_dict
 from model.rope import (
@@ -37,7 +38,7 @@ from model.rope import (
     rotary_dim_of,
     yarn_attention_factor,
 )
-from scripts.common import CONFIGS, one_sentence_errors, require
+from scripts.common import CONFIGS, require
 
 ARCH = gguf.MODEL_ARCH.LLAMA
 DTYPES = {  # dtype= -> (numpy type of the matrices, general.file_type); 1-D tensors always stay f32

@@ -26,9 +26,10 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 from data.tokenizer import BOS, EOS, Tokenizer
 from inference.checkpoint import load_checkpoint, resolve_checkpoint
+from inference.cli import one_sentence_errors
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.rope import ntk_base
-from scripts.common import CONFIGS, one_sentence_errors, require
+from scripts.common import CONFIGS, require
 
 
 def check_out(out: Path, overwrite: bool) -> None:

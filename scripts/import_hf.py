@@ -27,10 +27,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from data.tokenizer import Tokenizer
-from inference.checkpoint import atomic_torch_save, file_sha256, load_weights
+from inference.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
+from inference.cli import one_sentence_errors
 from model.hf import from_hf_state_dict, model_config_from_hf
 from model.llama import Llama
-from scripts.common import CONFIGS, one_sentence_errors, require
+from scripts.common import CONFIGS, require
 
 
 def load_safetensors(path: Path) -> dict:
@@ -113,13 +114,8 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     tokenizer = read_tokenizer(hf_dir, cfg.vocab_size)
     tokenizer_dest = out.parent / "tokenizer.json"
     copy_tokenizer(tokenizer, tokenizer_dest, overwrite)
-    checkpoint = {
-        "state_dict": {"model." + k: v for k, v in model.state_dict().items()},  # Lightning's module prefix
-        "model_config": cfg.to_dict(),
-        "tokenizer": {"path": str(tokenizer_dest), "sha256": tokenizer.sha256},
-        "train_max_len": cfg.rope.original_max_len,
-    }
-    atomic_torch_save(checkpoint, out)
+    # the checkpoint records the copy beside it, which generate.py and train.py then read
+    atomic_torch_save(weights_checkpoint(model, Tokenizer(tokenizer_dest), cfg.rope.original_max_len), out)
     return out
 
 

@@ -26,16 +26,16 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
-from generate import load
+from inference.cli import one_sentence_errors
 from inference.evaluation import continuation_logprobs, forward_groups, rows_per_forward
 from inference.generation import GREEDY, check_integer, generate, generation_bytes
+from inference.loading import load_model
 from inference.memory import check_fits
 from scripts.common import (
     CONFIGS,
     check_common,
     method_names,
     method_ropes,
-    one_sentence_errors,
     option_list,
     write_csv,
 )
@@ -216,7 +216,7 @@ def run(cfg: DictConfig) -> list[dict]:
     for d in depths:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
-    ckpt, tok = load(cfg)
+    ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     check_memory(ckpt.model, cfg)
     methods = method_names(cfg.methods, ckpt)
     rng = np.random.default_rng(cfg.seed)

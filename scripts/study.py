@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from inference.checkpoint import resolve_checkpoint
+from inference.cli import USER_ERRORS, one_sentence_errors
 from scripts.common import ROOT
 from scripts.eval_extrapolation import markdown_tables, plot_ppl_vs_length
 
@@ -149,14 +149,11 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     print(f"[study] wrote {out / 'summary.md'} and {out / 'summary.png'}")
 
 
+@one_sentence_errors(errors=(*USER_ERRORS, RuntimeError))  # RuntimeError: a step that failed
 def main(argv: list[str]) -> None:
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(StudyConfig), OmegaConf.from_dotlist(ours))
-        run(OmegaConf.to_object(cfg), extra)
-    except (ValueError, RuntimeError, OmegaConfBaseException) as e:
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    cfg = OmegaConf.merge(OmegaConf.structured(StudyConfig), OmegaConf.from_dotlist(ours))
+    run(OmegaConf.to_object(cfg), extra)
 
 
 if __name__ == "__main__":

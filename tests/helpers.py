@@ -1,15 +1,32 @@
-"""Shared test helpers: compose the real Hydra config tree and shrink it, tiny corpora."""
+"""Shared test helpers: compose the real Hydra config tree and shrink it, tiny corpora, tiny models and the
+run directories and checkpoints the command lines load, crafted pickles. Shared fixtures: conftest.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from data.tokenizer import Tokenizer, train_tokenizer
+from inference.checkpoint import atomic_torch_save, model_state_from_checkpoint, safe_load, weights_checkpoint
+from model.config import ModelConfig
+from model.llama import Llama
+from model.rope import RopeConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+L0 = 32  # the training length of the tiny runs, models and checkpoints below
+TEXT = (
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n\n"
+    "Crème brûlée, naïve café — “quotes” and ✓ marks keep multi-byte characters in the text.\n"
+)
 
 
 def small_corpus(folder: Path, n_files: int = 8, chars: int = 6000) -> str:
@@ -31,7 +48,7 @@ def tiny_overrides(tmp_path: Path, corpus: str) -> list[str]:
         "data=text_files",
         f"data.source.paths=[{corpus}]",
         "data.vocab_size=320",
-        "data.max_len=32",
+        f"data.max_len={L0}",
         "data.batch_size=8",
         f"data.cache_dir={tmp_path / 'cache'}",
         "trainer.max_steps=20",
@@ -57,10 +74,6 @@ def compose_train(overrides: list[str], run_dir: Path, config_name: str = "train
 
 def train_cli(*args: str, timeout: float | None = None):
     """`python train.py <args>` as a user runs it, from the repo root; output captured as text."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "train.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -68,6 +81,89 @@ def train_cli(*args: str, timeout: float | None = None):
 
 def last_weights(run_dir: Path) -> dict:
     """The network weights in run_dir/checkpoints/last.ckpt (safe load)."""
-    from inference.checkpoint import model_state_from_checkpoint, safe_load
-
     return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))
+
+
+def text_tokenizer(folder: Path) -> Tokenizer:
+    """A 300-token byte-level BPE trained on TEXT, saved as folder/tokenizer.json."""
+    return train_tokenizer([TEXT] * 4, vocab_size=300, path=str(folder / "tokenizer.json"))
+
+
+def tiny(vocab_size: int, rope: RopeConfig | None = None) -> Llama:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        init_std=0.3,  # a sharp random model: greedy output is not one repeated token
+        rope=rope or RopeConfig(original_max_len=L0),
+    )
+    return Llama(cfg).eval()
+
+
+def save_run(model: Llama, tok: Tokenizer, directory: Path) -> Path:
+    """Make `directory` a run directory the CLIs can load: checkpoints/last.ckpt + the tokenizer it records."""
+    atomic_torch_save(weights_checkpoint(model, tok, L0), directory / "checkpoints" / "last.ckpt")
+    return directory
+
+
+def write_checkpoint(folder: Path, tokenizer: Tokenizer, rope: RopeConfig, tie: bool = True) -> Path:
+    """folder/model.ckpt: a random model (init_std=0.3: sharp logits, varied greedy text) with the
+    vocabulary padded beyond the tokenizer's, as train.py pads it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=320,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=96,
+        init_std=0.3,
+        tie_embeddings=tie,
+        rope=rope,
+    )
+    path = folder / "model.ckpt"
+    atomic_torch_save(weights_checkpoint(Llama(cfg), tokenizer, L0), path)
+    return path
+
+
+def run_generate_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter.
+    Returns (exit code, stdout, stderr)."""
+    import generate
+
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    try:
+        generate.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+class Exploit:
+    """Unpickling it runs `touch <marker>`: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """(a checkpoint whose loading would create the marker file, the marker's path)."""
+    marker, path = tmp_path / "pwned", tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "model_config": {}, "payload": Exploit(marker)}, path)
+    return path, marker
+
+
+def refusal(path: Path) -> str:
+    """The one sentence every entry point prints for a crafted pickle: it names the blocked callable."""
+    return (
+        f"Refusing to load {path}: it contains objects other than tensors and plain data "
+        f"({os.system.__module__}.system), and loading it could run code."
+    )

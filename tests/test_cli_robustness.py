@@ -20,11 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from data.tokenizer import train_tokenizer
 from inference.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
-from tests.helpers import CONFIGS, ROOT, small_corpus, tiny_overrides
-from tests.test_generate import TEXT, save_run, tiny
-from tests.test_reliability import crafted_checkpoint, refusal
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    crafted_checkpoint,
+    refusal,
+    save_run,
+    small_corpus,
+    text_tokenizer,
+    tiny,
+    tiny_overrides,
+)
 
 TRAIN, GENERATE = "train.py", "generate.py"
 EVAL, PASSKEY, STUDY = "scripts/eval_extrapolation.py", "scripts/passkey.py", "scripts/study.py"
@@ -168,10 +175,9 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory) -> Path:
-    """The tiny model of tests/test_generate.py saved as a run directory (checkpoints/last.ckpt); rows
-    only read it."""
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = train_tokenizer([TEXT] * 4, vocab_size=300, path=str(path))
+    """The tiny model of tests/helpers.py saved as a run directory (checkpoints/last.ckpt); rows only
+    read it."""
+    tok = text_tokenizer(tmp_path_factory.mktemp("tok"))
     return save_run(tiny(tok.vocab_size), tok, tmp_path_factory.mktemp("run"))
 
 

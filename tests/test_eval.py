@@ -35,11 +35,9 @@ from model.llama import Llama
 from model.rope import RopeConfig
 from scripts import eval_extrapolation, passkey, study
 from scripts.common import datamodule_for, method_ropes
-from tests.helpers import CONFIGS, ROOT, compose_train, small_corpus, tiny_overrides
+from tests.helpers import CONFIGS, L0, ROOT, compose_train, small_corpus, tiny_overrides
 from train import train
 from training.module import LitLlama
-
-L0 = 32  # the tiny run's training length
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +119,7 @@ def test_in_window_loss_equals_the_training_modules_loss(ckpt, run_dir, tmp_path
     eval_extrapolation.run(cfg)
     documents = [d for d in datamodule_for(cfg, ckpt).documents("test") if len(d) > L0]
     windows, _ = split_windows(documents, L0, max_windows=3)
-    lit = LitLlama(ckpt.config.to_dict())
+    lit = LitLlama(ckpt.config)
     lit.model.load_state_dict(ckpt.model.state_dict())
     with torch.inference_mode():
         reference = float(
@@ -419,10 +417,10 @@ def test_options_are_refused_before_the_checkpoint_is_loaded(
 ):
     """A bad method, length or output directory costs no checkpoint (nor data) load, and leaves no files."""
 
-    def no_load(cfg):
+    def no_load(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded before the options were checked")
 
-    monkeypatch.setattr(script, "load", no_load)
+    monkeypatch.setattr(script, "load_model", no_load)
     file = tmp_path / "file"
     file.write_text("")
     name = "eval" if script is eval_extrapolation else "passkey"

@@ -4,71 +4,25 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.markdown import play_to_text
-from data.sources import shakespeare_plays
-from data.tokenizer import Tokenizer, train_tokenizer
+from data.tokenizer import train_tokenizer
 from inference.checkpoint import file_sha256, load_checkpoint
 from inference.generation import GREEDY, generate
-from model.config import ModelConfig
-from model.llama import Llama
+from inference.loading import load_model
 from model.rope import RopeConfig
 from scripts.export_hf import export, main
 from scripts.import_hf import import_hf
+from tests.helpers import ROOT, write_checkpoint
 from tests.test_model import L0, ROPES  # the same seven settings the parity tests use
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def text() -> str:
-    return play_to_text(shakespeare_plays()["macbeth"])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory, text) -> Tokenizer:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    return train_tokenizer([text[:20000]], vocab_size=300, path=str(path))
-
-
-def write_checkpoint(folder: Path, tokenizer: Tokenizer, rope: RopeConfig, tie: bool = True) -> Path:
-    """A checkpoint as train.py writes it: random init (init_std=0.3: sharp logits, varied greedy text)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=320,  # padded beyond the tokenizer's 300, as train.py does
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=96,
-        init_std=0.3,
-        tie_embeddings=tie,
-        rope=rope,
-    )
-    model = Llama(cfg)
-    path = folder / "model.ckpt"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {
-            "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
-            "model_config": cfg.to_dict(),
-            "tokenizer": {"path": tokenizer.path, "sha256": tokenizer.sha256},
-            "train_max_len": L0,
-        },
-        path,
-    )
-    return path
 
 
 @pytest.mark.parametrize("name", list(ROPES))
-def test_transformers_matches_logits_greedy_and_round_trip(name, tmp_path, tokenizer, text):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES[name], tie=name != "yarn")
+def test_transformers_matches_logits_greedy_and_round_trip(name, tmp_path, macbeth_tokenizer, macbeth):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES[name], tie=name != "yarn")
     out = export(ckpt, tmp_path / "hf")
     ours = load_checkpoint(ckpt).model
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -81,7 +35,7 @@ def test_transformers_matches_logits_greedy_and_round_trip(name, tmp_path, token
     # HF's dynamic scaling re-derives the base at every decoding step (cached keys keep older ones);
     # ours fixes it for the whole generation, so the two agree while the text fits the original length.
     prompt_len, new = (8, 20) if name == "dynamic_ntk" else (16, 24)
-    prompt = [tokenizer.bos_id, *tokenizer.encode(text[5000:6000])[: prompt_len - 1]]
+    prompt = [macbeth_tokenizer.bos_id, *macbeth_tokenizer.encode(macbeth[5000:6000])[: prompt_len - 1]]
     hf.generation_config.eos_token_id = None  # no early stop on either side: compare `new` tokens
     mine = generate(ours, [prompt], new, GREEDY, eos_id=None).tokens[0]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, prompt_len:]
@@ -101,33 +55,32 @@ def test_transformers_matches_logits_greedy_and_round_trip(name, tmp_path, token
     assert file_sha256(imported.tokenizer_file()) == file_sha256(out / "tokenizer.json")
 
 
-def test_auto_tokenizer_encodes_and_decodes_like_ours(tmp_path, tokenizer, text):
-    out = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+def test_auto_tokenizer_encodes_and_decodes_like_ours(tmp_path, macbeth_tokenizer, macbeth):
+    out = export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "hf")
     hf = AutoTokenizer.from_pretrained(out)
-    passage = text[60000:62000] + " naïve café — ünïcode\n\n\tend"  # held out from tokenizer training
-    ids = tokenizer.encode(passage)
+    passage = macbeth[60000:62000] + " naïve café — ünïcode\n\n\tend"  # held out from tokenizer training
+    ids = macbeth_tokenizer.encode(passage)
     assert hf(passage, add_special_tokens=False)["input_ids"] == ids
-    assert hf(passage)["input_ids"] == [tokenizer.bos_id, *ids]  # bos prepended, as generate.py does
-    assert hf.decode(ids) == tokenizer.decode(ids) == passage
-    assert (hf.bos_token_id, hf.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert hf(passage)["input_ids"] == [macbeth_tokenizer.bos_id, *ids]  # bos prepended, as generate.py does
+    assert hf.decode(ids) == macbeth_tokenizer.decode(ids) == passage
+    assert (hf.bos_token_id, hf.eos_token_id) == (macbeth_tokenizer.bos_id, macbeth_tokenizer.eos_id)
     generation = json.loads((out / "generation_config.json").read_text())
-    assert (generation["bos_token_id"], generation["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
-
-
-def test_imported_checkpoint_runs_in_generate_py(tmp_path, tokenizer):
-    from generate import load
-
-    out = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["yarn"]), tmp_path / "hf")
-    ckpt = import_hf(out, tmp_path / "imported" / "model.ckpt")
-    loaded, tok = load(
-        OmegaConf.create({"ckpt": str(ckpt), "dtype": "float32", "device": "cpu", "rope": None})
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (
+        macbeth_tokenizer.bos_id,
+        macbeth_tokenizer.eos_id,
     )
+
+
+def test_imported_checkpoint_runs_in_generate_py(tmp_path, macbeth_tokenizer):
+    out = export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["yarn"]), tmp_path / "hf")
+    ckpt = import_hf(out, tmp_path / "imported" / "model.ckpt")
+    loaded, tok = load_model(str(ckpt), device="cpu")  # what generate.py loads
     assert tok.sha256 == file_sha256(out / "tokenizer.json")
     assert len(generate(loaded.model, [[tok.bos_id, 5, 6]], 4).tokens[0]) == 4
 
 
-def test_refuses_to_overwrite_and_import_refuses_biases(tmp_path, tokenizer):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"])
+def test_refuses_to_overwrite_and_import_refuses_biases(tmp_path, macbeth_tokenizer):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"])
     out = export(ckpt, tmp_path / "hf")
     with pytest.raises(ValueError, match="not empty; pass overwrite=true"):
         export(ckpt, out)
@@ -151,8 +104,8 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_cli_exports_a_checkpoint_file(tmp_path, tokenizer):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES["ntk"])
+def test_cli_exports_a_checkpoint_file(tmp_path, macbeth_tokenizer):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["ntk"])
     result = run_export(f"ckpt={ckpt}", f"out={tmp_path / 'hf'}")
     assert result.returncode == 0, result.stderr
     assert "static ntk exported as plain RoPE" in result.stdout
@@ -160,8 +113,10 @@ def test_cli_exports_a_checkpoint_file(tmp_path, tokenizer):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
 
 
-def test_cli_refuses_partial_rotary_dim_and_writes_nothing(tmp_path, tokenizer, monkeypatch, capsys):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, RopeConfig(rotary_dim=8, original_max_len=L0))
+def test_cli_refuses_partial_rotary_dim_and_writes_nothing(tmp_path, macbeth_tokenizer, monkeypatch, capsys):
+    ckpt = write_checkpoint(
+        tmp_path / "run", macbeth_tokenizer, RopeConfig(rotary_dim=8, original_max_len=L0)
+    )
     argv = ["export_hf.py", f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"]
     monkeypatch.setattr(
         sys, "argv", argv
@@ -174,9 +129,11 @@ def test_cli_refuses_partial_rotary_dim_and_writes_nothing(tmp_path, tokenizer, 
     assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(tmp_path, tokenizer, monkeypatch, capsys):
+def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(
+    tmp_path, macbeth_tokenizer, monkeypatch, capsys
+):
     run_dir = tmp_path / "run"
-    ckpt = write_checkpoint(run_dir / "checkpoints", tokenizer, ROPES["none"])
+    ckpt = write_checkpoint(run_dir / "checkpoints", macbeth_tokenizer, ROPES["none"])
     before = ckpt.read_bytes()
     (tmp_path / "link").symlink_to(run_dir)
     monkeypatch.setattr(sys, "argv", ["export_hf.py", f"ckpt={run_dir}", f"out={run_dir}", "overwrite=true"])
@@ -193,12 +150,12 @@ def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(tmp_path, tokeni
     assert ckpt.read_bytes() == before and sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
 
 
-def test_overwrite_replaces_only_the_files_export_writes(tmp_path, tokenizer):
+def test_overwrite_replaces_only_the_files_export_writes(tmp_path, macbeth_tokenizer):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "README.md").write_text("my notes\n")
     (out / "config.json").write_text("{}")  # a stale export
-    export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), out, overwrite=True)
+    export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), out, overwrite=True)
     assert (out / "README.md").read_text() == "my notes\n"
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 320
@@ -214,8 +171,10 @@ def import_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err
 
 
-def test_import_refuses_a_corrupt_safetensors_file_in_one_sentence(tmp_path, tokenizer, monkeypatch, capsys):
-    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+def test_import_refuses_a_corrupt_safetensors_file_in_one_sentence(
+    tmp_path, macbeth_tokenizer, monkeypatch, capsys
+):
+    hf = export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "hf")
     weights = hf / "model.safetensors"
     complete = weights.read_bytes()
     for damaged in (
@@ -228,8 +187,10 @@ def test_import_refuses_a_corrupt_safetensors_file_in_one_sentence(tmp_path, tok
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / "imported").exists()
 
 
-def test_import_refuses_an_out_inside_the_directory_it_reads(tmp_path, tokenizer, monkeypatch, capsys):
-    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
+def test_import_refuses_an_out_inside_the_directory_it_reads(
+    tmp_path, macbeth_tokenizer, monkeypatch, capsys
+):
+    hf = export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "hf")
     files = {p.name: p.read_bytes() for p in hf.iterdir()}
     for out in (hf / "model.safetensors", hf, tmp_path):  # inside, is, above
         code, err = import_cli(monkeypatch, capsys, f"hf_dir={hf}", f"out={out}", "overwrite=true")
@@ -240,9 +201,11 @@ def test_import_refuses_an_out_inside_the_directory_it_reads(tmp_path, tokenizer
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == files
 
 
-def test_import_writes_nothing_when_the_tokenizer_is_larger_than_the_model(tmp_path, tokenizer, text):
-    hf = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "hf")
-    train_tokenizer([text[:40000]], vocab_size=400, path=str(hf / "tokenizer.json"))
+def test_import_writes_nothing_when_the_tokenizer_is_larger_than_the_model(
+    tmp_path, macbeth_tokenizer, macbeth
+):
+    hf = export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "hf")
+    train_tokenizer([macbeth[:40000]], vocab_size=400, path=str(hf / "tokenizer.json"))
     with pytest.raises(ValueError, match="The tokenizer has 400 tokens but the model only 320"):
         import_hf(hf, tmp_path / "imported" / "model.ckpt")
     assert not (tmp_path / "imported").exists()

@@ -15,7 +15,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import generate as cli
-from data.tokenizer import train_tokenizer
 from inference.checkpoint import atomic_torch_save
 from inference.generation import (
     GREEDY,
@@ -23,8 +22,8 @@ from inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
+    fixed_shape_step,
     generate,
-    override_rope,
     position_buckets,
     sample,
     score_tokens,
@@ -33,14 +32,9 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
+from tests.helpers import L0, TEXT, run_generate_main, save_run, text_tokenizer, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-L0 = 32  # the tiny model's training length
-TEXT = (
-    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
-    "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n\n"
-    "Crème brûlée, naïve café — “quotes” and ✓ marks keep multi-byte characters in the text.\n"
-)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,42 +48,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    return train_tokenizer(
-        [TEXT] * 4, vocab_size=300, path=str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    )
-
-
-def tiny(vocab_size: int, rope: RopeConfig | None = None) -> Llama:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=vocab_size,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        init_std=0.3,  # a sharp random model: greedy output is not one repeated token
-        rope=rope or RopeConfig(original_max_len=L0),
-    )
-    return Llama(cfg).eval()
+    return text_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
 def model(tok):
     return tiny(tok.vocab_size)
-
-
-def save_run(model: Llama, tok, directory: Path) -> Path:
-    """Make `directory` a run directory the CLIs can load: checkpoints/last.ckpt + the tokenizer it records."""
-    atomic_torch_save(
-        {
-            "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
-            "model_config": model.config.to_dict(),
-            "tokenizer": {"path": tok.path, "sha256": tok.sha256},
-            "train_max_len": L0,
-        },
-        directory / "checkpoints" / "last.ckpt",
-    )
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +88,7 @@ def test_greedy_identical_with_and_without_cache(model, tok, start_pos):
 
 
 def test_compiled_decode_equals_eager(model, tok):
-    """generate(compile=True) (torch.compile of the static-shape decode step) picks the same greedy
+    """generate(compile=True) (CompiledStep: torch.compile of fixed_shape_step) picks the same greedy
     tokens as the eager loop, for a left-padded batch at a non-zero start position, and a second
     generation of the same shape reuses the compiled step."""
     prompts = [prompt_ids(tok, t) for t in ("ROMEO:", "JULIET: O Romeo, Romeo, wherefore")]
@@ -141,7 +105,7 @@ def test_compiled_decode_equals_eager(model, tok):
 
 
 def test_compiled_decode_uses_each_models_own_weights(model, tok):
-    """Every generate(compile=True) shares one compiled step (model/generation.compiled_decode_step):
+    """Every generate(compile=True) shares one compiled step (generation.compiled_fixed_shape_step):
     a second model of the same shape must decode with its own weights, not the first one's."""
     prompt = prompt_ids(tok, "ROMEO:")
     other = copy.deepcopy(model)
@@ -152,6 +116,65 @@ def test_compiled_decode_uses_each_models_own_weights(model, tok):
     second = generate(other, [prompt], 20, GREEDY, compile=True).tokens
     assert second == generate(other, [prompt], 20, GREEDY).tokens
     assert first == generate(model, [prompt], 20, GREEDY).tokens and first != second
+
+
+FIXED_SHAPE_ROPES = {
+    "none": RopeConfig(original_max_len=L0),
+    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),
+    "dynamic_ntk": RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0),
+    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
+}
+
+
+def small_model(rope: RopeConfig, n_kv_heads: int, vocab_size: int = 97) -> Llama:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, rope=rope
+    )
+    return Llama(cfg).eval()
+
+
+@pytest.mark.parametrize("rope", list(FIXED_SHAPE_ROPES))
+@pytest.mark.parametrize("n_kv_heads", [4, 1])
+def test_fixed_shape_step_equals_full_forward(rope, n_kv_heads):
+    """The compiled step's math, eager: one token at a tensor slot, attention over every slot under
+    the slot mask (left padding and never-written slots included) gives the full forward's logits."""
+    model = small_model(FIXED_SHAPE_ROPES[rope], n_kv_heads)
+    prompt = torch.randint(1, 97, (1, 6))
+    rest = torch.randint(1, 97, (1, 5))
+    positions = torch.arange(500, 511)
+    with torch.no_grad():
+        full = model(torch.cat([prompt, rest], dim=1), position_ids=positions)
+        pad = 3  # the row is left padded by 3 slots: the mask must hide them
+        cache = KVCache.for_model(model, 1, pad + 11 + 4, seq_len=511)  # 4 slots never written
+        cache.key_mask = torch.arange(cache.capacity)[None] >= pad
+        padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), prompt], dim=1)
+        pad_positions = torch.cat([positions[:1].repeat(pad), positions[:6]])
+        model(padded, position_ids=pad_positions, kv_cache=cache)
+        steps = []
+        for t in range(5):
+            cos, sin = model.rope.cos_sin(positions[6 + t, None], torch.float32, seq_len=511)
+            steps.append(fixed_shape_step(model, rest[:, t : t + 1], cos, sin, cache, cache.next_slot()))
+            cache.advance(1)
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
+
+
+def test_an_eager_forward_after_a_fixed_shape_step_appends():
+    """A fixed-shape step leaves no mode behind in the cache: a later eager forward on the same cache
+    (as the bench's eager path runs after the compiled one) appends after the filled slots and
+    attends over them only, never over the slots not yet written."""
+    model = small_model(FIXED_SHAPE_ROPES["none"], n_kv_heads=2)
+    tokens = torch.randint(1, 97, (1, 10))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache.for_model(model, 1, 16, seq_len=16)  # 6 slots never written
+        model(tokens[:, :6], kv_cache=cache)
+        cos, sin = model.rope.cos_sin(torch.tensor([6]), torch.float32, seq_len=16)
+        steps = [fixed_shape_step(model, tokens[:, 6:7], cos, sin, cache, cache.next_slot())]
+        cache.advance(1)
+        steps += [model(tokens[:, t : t + 1], kv_cache=cache)[:, -1] for t in range(7, 10)]
+    assert cache.length == 10
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
 
 
 NATIVE_ROPES = {  # every RoPE setting the C step must reproduce (it reads only the cos/sin tables)
@@ -166,20 +189,20 @@ NATIVE_ROPES = {  # every RoPE setting the C step must reproduce (it reads only 
 def native_logits(model: Llama, prompt: list[int], steps: int, start_pos: int) -> tuple[list, list]:
     """Greedy decode through the C step: (per-step logits, the full forward's logits at the same spots).
     The full forward runs into a fresh cache only to keep dynamic NTK's length fixed, as generate does."""
-    from kernels.cpu_decode import NativeDecodeStep
+    from kernels.cpu_decode import NativeStep
 
     capacity = len(prompt) + steps
-    cache = KVCache.for_model(model.config, 1, capacity, rope_seq_len=start_pos + capacity)
+    cache = KVCache.for_model(model, 1, capacity, seq_len=start_pos + capacity)
     positions = torch.arange(start_pos, start_pos + capacity)[None]
     seq = torch.tensor([prompt])
     with torch.inference_mode():
         token = model(seq, position_ids=positions[:, : len(prompt)], kv_cache=cache)[:, -1:].argmax(-1)
-        step = NativeDecodeStep(model, cache, positions)
+        step = NativeStep(model, cache, positions)
         native, full = [], []
         for _ in range(steps):
             seq = torch.cat([seq, token], dim=1)
             native.append(step(token)[0])
-            fresh = KVCache.for_model(model.config, 1, seq.shape[1], rope_seq_len=cache.rope_seq_len)
+            fresh = KVCache.for_model(model, 1, seq.shape[1], seq_len=cache.seq_len)
             full.append(model(seq, position_ids=positions[:, : seq.shape[1]], kv_cache=fresh)[0, -1])
             token = native[-1].argmax()[None, None]
     return native, full
@@ -312,9 +335,9 @@ def test_dynamic_ntk_cache_path_equals_full_forward(tok, monkeypatch):
     monkeypatch.undo()
     cached = torch.cat([logits[0][:, -1:], *logits[1:]], dim=1)  # (1, steps, V) next-token logits
     seq = torch.tensor([prompt + new[:-1]])
-    rope_seq_len = len(prompt) + steps
+    seq_len = len(prompt) + steps
     with torch.no_grad():
-        same_len = KVCache.for_model(model.config, 1, seq.shape[1], rope_seq_len=rope_seq_len)
+        same_len = KVCache.for_model(model, 1, seq.shape[1], seq_len=seq_len)
         full = model(seq, kv_cache=same_len)[:, len(prompt) - 1 :]
         other_len = model(seq)[:, len(prompt) - 1 :]  # scaled for seq.shape[1] instead
     torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
@@ -418,17 +441,6 @@ def test_engine_errors(model):
     assert len(generate(model, [[1, 2, 3]], 10, cache_len=13).tokens[0]) == 10
 
 
-def test_override_rope_keeps_weight_defining_fields():
-    base = RopeConfig(base=500.0, layout="interleaved", rotary_dim=8, original_max_len=L0)
-    cfg = override_rope(
-        base, {"scaling": "ntk", "factor": 8.0, "original_max_len": None, "layout": "half"}, 64
-    )
-    assert (cfg.scaling, cfg.factor, cfg.original_max_len) == ("ntk", 8.0, 64)
-    assert (cfg.layout, cfg.rotary_dim, cfg.base) == ("interleaved", 8, 500.0)
-    with pytest.raises(ValueError, match="valid scalings are"):
-        override_rope(base, {"scaling": "bogus"})
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -470,19 +482,6 @@ def test_cli_process_streams_the_engines_text_and_fails_cleanly(run_dir, model, 
     assert error.stderr == "error: top_p must be in (0, 1] (1 = no nucleus filter), got 0.0.\n"
 
 
-def run_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter.
-    Returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_cli_prompt_file_batch_and_score(run_dir, model, tok, tmp_path, monkeypatch, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("ROMEO:\nJULIET: O Romeo\n")
@@ -493,7 +492,7 @@ def test_cli_prompt_file_batch_and_score(run_dir, model, tok, tmp_path, monkeypa
         "max_new_tokens=30",
         "num_samples=2",
     ]
-    code, out, _ = run_main(args, monkeypatch, capsys)
+    code, out, _ = run_generate_main(args, monkeypatch, capsys)
     texts = ["ROMEO:", "ROMEO:", "JULIET: O Romeo", "JULIET: O Romeo"]
     rows = generate(model, [prompt_ids(tok, t) for t in texts], 30, eos_id=tok.eos_id).tokens
     expected = "".join(
@@ -503,7 +502,7 @@ def test_cli_prompt_file_batch_and_score(run_dir, model, tok, tmp_path, monkeypa
 
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT * 3)
-    code, out, _ = run_main(
+    code, out, _ = run_generate_main(
         [f"ckpt={run_dir}", "mode=score", f"text_file={text_file}", "chunk=16"], monkeypatch, capsys
     )
     losses = score_tokens(model, torch.tensor(prompt_ids(tok, TEXT * 3)), chunk=16)
@@ -576,7 +575,7 @@ def test_cli_errors_are_one_sentence(case, run_dir, tmp_path, monkeypatch, capsy
     paths["BLANK_LINE"].write_text("ROMEO:\n\nJULIET:\n")
     args, sentence = CLI_ERRORS[case]
     args = [a.format(**paths) for a in args]
-    code, out, err = run_main(args, monkeypatch, capsys)
+    code, out, err = run_generate_main(args, monkeypatch, capsys)
     assert code == 2, err
     assert out == ""  # a refusal prints no prompt before it
     assert err.startswith("error: ") and sentence in err
@@ -602,15 +601,15 @@ def test_cli_stop_string(run_dir, model, tok, monkeypatch, capsys):
         "max_new_tokens=30",
         f"stop=[{text[cut : cut + 2]}]",
     ]
-    code, out, _ = run_main(args, monkeypatch, capsys)
+    code, out, _ = run_generate_main(args, monkeypatch, capsys)
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
-    code, out, _ = run_main(
+    code, out, _ = run_generate_main(
         args[:-1] + [f"stop={text[cut : cut + 2]}"], monkeypatch, capsys
     )  # a string, not a list
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
-    code, out, _ = run_main(args + ["compile=true"], monkeypatch, capsys)  # the compiled decode step
+    code, out, _ = run_generate_main(args + ["compile=true"], monkeypatch, capsys)  # CompiledStep
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
-    code, out, _ = run_main(args + ["native=true"], monkeypatch, capsys)  # the C decode step
+    code, out, _ = run_generate_main(args + ["native=true"], monkeypatch, capsys)  # NativeStep
     assert code == 0 and out == "ROMEO:" + text[:cut] + "\n"
 
 
@@ -618,13 +617,13 @@ def test_cli_places_the_text_at_a_far_start_pos(run_dir, model, tok, tmp_path, m
     """start_pos=10^12 samples and scores: nothing is sized by the position (a table up to it: terabytes)."""
     far = generate(model, [prompt_ids(tok, "ROMEO:")], 20, eos_id=tok.eos_id, start_pos=10**12).tokens[0]
     args = [f"ckpt={run_dir}", "prompt=ROMEO:", "greedy=true", "max_new_tokens=20", "start_pos=1000000000000"]
-    code, out, err = run_main(args, monkeypatch, capsys)
+    code, out, err = run_generate_main(args, monkeypatch, capsys)
     assert code == 0, err
     assert out == "ROMEO:" + streamed_text(tok, far) + "\n"
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT)
     args = [f"ckpt={run_dir}", "mode=score", f"text_file={text_file}", "start_pos=1000000000000"]
-    code, out, err = run_main(args, monkeypatch, capsys)
+    code, out, err = run_generate_main(args, monkeypatch, capsys)
     assert code == 0, err
     assert "549755813888..1099511627776" in out  # the bucket [32 * 2^34, 32 * 2^35) holds 10^12
 
@@ -632,13 +631,13 @@ def test_cli_places_the_text_at_a_far_start_pos(run_dir, model, tok, tmp_path, m
 def test_cli_echoes_the_prompt_when_nothing_is_generated(run_dir, monkeypatch, capsys):
     """The prompt is echoed with the first new text; an eos as the first token still shows it."""
     monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: Generation([[]], 3, 0.1, 0, 0.1))
-    code, out, _ = run_main([f"ckpt={run_dir}", "prompt=ROMEO:"], monkeypatch, capsys)
+    code, out, _ = run_generate_main([f"ckpt={run_dir}", "prompt=ROMEO:"], monkeypatch, capsys)
     assert code == 0 and out == "ROMEO:\n"
 
 
 def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
     """Hydra rejects rope=<unknown> while composing, before main: non-zero, the options listed."""
-    code, _, err = run_main([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
+    code, _, err = run_generate_main([f"ckpt={run_dir}", "prompt=x", "rope=warp"], monkeypatch, capsys)
     assert code != 0 and "Could not find 'rope/warp'" in err and "yarn" in err
     assert "Traceback" not in err
 

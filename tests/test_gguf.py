@@ -22,11 +22,9 @@ from model.config import ModelConfig
 from model.hf import from_hf_state_dict, interleaved_to_half, to_hf_state_dict
 from model.rope import RopeConfig, RotaryEmbedding, ntk_base
 from scripts.export_gguf import ARCH, export, main
-from tests import test_export
-from tests.test_export import write_checkpoint
+from tests.helpers import write_checkpoint
 from tests.test_model import L0, ROPES
 
-text, tokenizer = test_export.text, test_export.tokenizer  # the HF export tests' module fixtures
 EXPORTABLE = {
     **{name: rope for name, rope in ROPES.items() if name != "dynamic_ntk"},
     "yarn_attention_factor": replace(ROPES["yarn"], attention_factor=1.3),
@@ -53,10 +51,10 @@ def attention_scores(x: torch.Tensor, wq, wk, cfg: ModelConfig, layout: str) -> 
 
 
 @pytest.mark.parametrize("name", list(EXPORTABLE))
-def test_file_reads_back_with_the_weights_rope_and_vocab(name, tmp_path, tokenizer):
+def test_file_reads_back_with_the_weights_rope_and_vocab(name, tmp_path, macbeth_tokenizer):
     rope = EXPORTABLE[name]
     tie = name != "yarn"
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, rope, tie=tie)
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, rope, tie=tie)
     fields, tensors, types = read(export(ckpt, tmp_path / "model.gguf"))
     ours = load_checkpoint(ckpt)
     cfg, state = ours.config, ours.model.state_dict()
@@ -120,12 +118,12 @@ def test_file_reads_back_with_the_weights_rope_and_vocab(name, tmp_path, tokeniz
     assert all(torch.equal(back[key], tensor) for key, tensor in state.items())
 
 
-def test_vocabulary_is_the_tokenizers_padded_to_the_model(tmp_path, tokenizer):
+def test_vocabulary_is_the_tokenizers_padded_to_the_model(tmp_path, macbeth_tokenizer):
     fields, _, _ = read(
-        export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "m.gguf")
+        export(write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "m.gguf")
     )
     assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "gpt-2")
-    by_id = {i: token for token, i in tokenizer.hf.get_vocab(with_added_tokens=True).items()}
+    by_id = {i: token for token, i in macbeth_tokenizer.hf.get_vocab(with_added_tokens=True).items()}
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == 320
     assert tokens[:300] == [by_id[i] for i in range(300)]
@@ -137,15 +135,15 @@ def test_vocabulary_is_the_tokenizers_padded_to_the_model(tmp_path, tokenizer):
     )
     assert types == [control, control] + [normal] * 298 + [unused] * 20  # <|bos|>, <|eos|> are ids 0, 1
     merges = (
-        tokenizer.hf.get_vocab_size() - 258
+        macbeth_tokenizer.hf.get_vocab_size() - 258
     )  # each merge made one token beyond the 256 bytes + 2 specials
     assert len(fields["tokenizer.ggml.merges"]) == merges and fields["tokenizer.ggml.merges"][0] == "Ġ t"
     assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"]) == (0, 1)
     assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.add_eos_token"] is False
 
 
-def test_f16_halves_the_matrices_and_keeps_norms_f32(tmp_path, tokenizer):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES["llama3"])
+def test_f16_halves_the_matrices_and_keeps_norms_f32(tmp_path, macbeth_tokenizer):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["llama3"])
     fields, tensors, types = read(export(ckpt, tmp_path / "m.gguf", dtype="f16"))
     _, f32, _ = read(export(ckpt, tmp_path / "m32.gguf"))
     assert fields["general.file_type"] == 1
@@ -166,23 +164,23 @@ def test_f16_halves_the_matrices_and_keeps_norms_f32(tmp_path, tokenizer):
         ),
     ],
 )
-def test_refuses_what_llama_cpp_cannot_express_and_writes_nothing(rope, message, tmp_path, tokenizer):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, rope)
+def test_refuses_what_llama_cpp_cannot_express_and_writes_nothing(rope, message, tmp_path, macbeth_tokenizer):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, rope)
     with pytest.raises(ValueError, match=message):
         export(ckpt, tmp_path / "new" / "m.gguf")  # not even the missing folder is made
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_refuses_to_overwrite_the_checkpoint_it_reads(tmp_path, tokenizer):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"])
+def test_refuses_to_overwrite_the_checkpoint_it_reads(tmp_path, macbeth_tokenizer):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"])
     before = ckpt.read_bytes()
     with pytest.raises(ValueError, match="is the file being exported from; choose another path"):
         export(ckpt, ckpt, overwrite=True)
     assert ckpt.read_bytes() == before
 
 
-def test_refuses_a_tokenizer_that_is_not_byte_level(tmp_path, tokenizer):
-    normalized = Tokenizer(tokenizer.path)  # a copy: the module's fixture stays as it is
+def test_refuses_a_tokenizer_that_is_not_byte_level(tmp_path, macbeth_tokenizer):
+    normalized = Tokenizer(macbeth_tokenizer.path)  # a copy: the module's fixture stays as it is
     normalized.hf.normalizer = normalizers.NFKC()
     changed = tmp_path / "tokenizer.json"
     normalized.hf.save(str(changed))
@@ -194,8 +192,10 @@ def test_refuses_a_tokenizer_that_is_not_byte_level(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tokenizer.json"]
 
 
-def test_cli_refuses_bad_dtype_and_existing_out_in_one_sentence(tmp_path, tokenizer, monkeypatch, capsys):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"])
+def test_cli_refuses_bad_dtype_and_existing_out_in_one_sentence(
+    tmp_path, macbeth_tokenizer, monkeypatch, capsys
+):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"])
     out = tmp_path / "m.gguf"
     out.write_bytes(b"keep")
     for args, message in [
@@ -247,11 +247,15 @@ def llama_cpp_model(llama_cpp, path, n_ctx: int = 256):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [(name, "f32") for name in EXPORTABLE] + [("llama3", "f16")])
-def test_llama_cpp_matches_our_logits_and_greedy_tokens(name, dtype, tmp_path, tokenizer, text, llama_cpp):
-    ckpt = write_checkpoint(tmp_path / "run", tokenizer, EXPORTABLE[name], tie=name != "yarn")
+def test_llama_cpp_matches_our_logits_and_greedy_tokens(
+    name, dtype, tmp_path, macbeth_tokenizer, macbeth, llama_cpp
+):
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, EXPORTABLE[name], tie=name != "yarn")
     llm = llama_cpp_model(llama_cpp, export(ckpt, tmp_path / "model.gguf", dtype=dtype))
     ours = load_checkpoint(ckpt).model
-    prompt = [tokenizer.bos_id, *tokenizer.encode(text[5000:9000])][: 3 * L0]  # past L0: scalings act
+    prompt = [macbeth_tokenizer.bos_id, *macbeth_tokenizer.encode(macbeth[5000:9000])][
+        : 3 * L0
+    ]  # past L0: scalings act
     try:
         llm.eval(prompt)
         theirs = torch.from_numpy(np.array(llm.scores[: len(prompt)]))
@@ -270,13 +274,18 @@ def test_llama_cpp_matches_our_logits_and_greedy_tokens(name, dtype, tmp_path, t
 
 
 @pytest.mark.slow
-def test_llama_cpp_tokenizes_and_detokenizes_like_ours(tmp_path, tokenizer, text, llama_cpp):
-    path = export(write_checkpoint(tmp_path / "run", tokenizer, ROPES["none"]), tmp_path / "model.gguf")
+def test_llama_cpp_tokenizes_and_detokenizes_like_ours(tmp_path, macbeth_tokenizer, macbeth, llama_cpp):
+    path = export(
+        write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "model.gguf"
+    )
     llm = llama_cpp_model(llama_cpp, path)
-    passage = text[60000:62000] + " naïve café — ünïcode 1234 x  \n\n\tend  "  # held out, odd spacing
+    passage = macbeth[60000:62000] + " naïve café — ünïcode 1234 x  \n\n\tend  "  # held out, odd spacing
     try:
-        ids = tokenizer.encode(passage)
-        assert llm.tokenize(passage.encode(), add_bos=True) == [tokenizer.bos_id, *ids]  # bos, as generate.py
+        ids = macbeth_tokenizer.encode(passage)
+        assert llm.tokenize(passage.encode(), add_bos=True) == [
+            macbeth_tokenizer.bos_id,
+            *ids,
+        ]  # bos, as generate.py
         assert llm.tokenize(passage.encode(), add_bos=False) == ids
         assert llm.detokenize(ids).decode() == passage
     finally:

@@ -9,24 +9,20 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from data.tokenizer import train_tokenizer
 from inference import memory
 from inference.generation import score_tokens
 from inference.memory import MemoryBudgetError, check_fits, human_bytes
 from model.kv_cache import KVCache, cache_bytes
 from scripts import eval_extrapolation
-from tests.helpers import CONFIGS, ROOT
-from tests.test_generate import TEXT, run_main, save_run, tiny
+from tests.helpers import CONFIGS, ROOT, run_generate_main, save_run, text_tokenizer, tiny
 
 GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def model_and_run(tmp_path_factory):
-    """The tiny model of tests/test_generate.py and a run directory holding it."""
-    tok = train_tokenizer(
-        [TEXT] * 4, vocab_size=300, path=str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    )
+    """The tiny model of tests/helpers.py and a run directory holding it."""
+    tok = text_tokenizer(tmp_path_factory.mktemp("tok"))
     model = tiny(tok.vocab_size)
     return model, save_run(model, tok, tmp_path_factory.mktemp("run"))
 
@@ -113,7 +109,7 @@ def test_cpu_memory_is_the_smaller_of_the_kernel_and_the_cgroup(monkeypatch):
 
 def test_kv_cache_bytes_are_what_it_allocates(model_and_run):
     config = model_and_run[0].config
-    cache = KVCache.for_model(config, batch_size=3, capacity=50, dtype=torch.bfloat16)
+    cache = KVCache(config.n_layers, 3, config.n_kv_heads, 50, config.head_dim, dtype=torch.bfloat16)
     allocated = sum(t.nbytes for t in (*cache.k, *cache.v)) + cache._slots.nbytes
     assert KVCache.bytes_for_model(config, 3, 50, torch.bfloat16) == allocated
     assert (
@@ -131,7 +127,7 @@ def test_kv_cache_is_refused_before_it_is_allocated(model_and_run, monkeypatch):
     with pytest.raises(
         MemoryBudgetError, match=r"^A KV cache of 2 x 10,000 tokens needs 9\.8 MiB .*; lower the "
     ):
-        KVCache.for_model(model_and_run[0].config, batch_size=2, capacity=10_000)
+        KVCache.for_model(model_and_run[0], batch_size=2, capacity=10_000)
 
 
 def test_scoring_is_refused_with_its_knobs(model_and_run, monkeypatch):
@@ -150,7 +146,7 @@ def test_generate_refuses_a_billion_new_tokens_before_printing_or_allocating(
 ):
     pretend_available(monkeypatch, 64 * GiB)
     args = [f"ckpt={model_and_run[1]}", "prompt=ROMEO:", "max_new_tokens=1000000000"]
-    code, out, err = run_main(args, monkeypatch, capsys)
+    code, out, err = run_generate_main(args, monkeypatch, capsys)
     assert code == 2 and out == ""
     assert re.fullmatch(
         r"error: Generating 1,000,000,000 tokens after 1 prompt of up to \d+ tokens \([\d,]+ KV cache slots\) "

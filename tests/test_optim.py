@@ -9,7 +9,7 @@ import torch
 
 from model.config import ModelConfig
 from model.llama import Llama
-from training.optim import MuonWithAdamW, build_optimizer, is_hidden_matrix, warmup_cosine
+from training.optim import MuonWithAdamW, OptimConfig, build_optimizer, is_hidden_matrix, warmup_cosine
 
 
 def tiny_model(seed: int = 0) -> Llama:
@@ -31,7 +31,7 @@ def train_steps(model: Llama, optimizer: torch.optim.Optimizer, steps: int, seed
 
 
 def opt(model: Llama, name: str) -> torch.optim.Optimizer:
-    return build_optimizer(model, name, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
+    return build_optimizer(model, OptimConfig(name=name), fused=False)  # lr 3e-3, betas (0.9, 0.95), wd 0.1
 
 
 def test_muon_owns_the_hidden_matrices_and_adamw_the_rest():

@@ -17,14 +17,28 @@ from hypothesis import strategies as st
 
 import train as train_py
 from inference.checkpoint import (
+    FORMAT_VERSION,
     CheckpointError,
     atomic_torch_save,
     load_checkpoint,
     model_state_from_checkpoint,
     safe_load,
+    weights_checkpoint,
 )
 from model.rope import SCALINGS, RopeConfig, RotaryEmbedding
-from tests.helpers import ROOT, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
+from tests.helpers import (
+    L0,
+    ROOT,
+    compose_train,
+    crafted_checkpoint,
+    last_weights,
+    refusal,
+    small_corpus,
+    text_tokenizer,
+    tiny,
+    tiny_overrides,
+    train_cli,
+)
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -164,28 +178,6 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
 
 
 # ----------------------------------------------------------------------------- safe loading
-
-
-class Exploit:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
-    marker, path = tmp_path / "pwned", tmp_path / "evil.ckpt"
-    torch.save({"state_dict": {}, "model_config": {}, "payload": Exploit(marker)}, path)
-    return path, marker
-
-
-def refusal(path: Path) -> str:
-    """The one sentence every entry point prints for a crafted pickle: it names the blocked callable."""
-    return (
-        f"Refusing to load {path}: it contains objects other than tensors and plain data "
-        f"({os.system.__module__}.system), and loading it could run code."
-    )
 
 
 def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
@@ -328,6 +320,21 @@ def test_truncated_and_foreign_files_give_one_sentence(tmp_path):
         with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint") as info:
             safe_load(path)
         assert "\n" not in str(info.value)
+
+
+def test_checkpoint_without_a_format_version_loads_and_a_newer_one_is_refused(tmp_path):
+    tok = text_tokenizer(tmp_path)
+    ckpt = weights_checkpoint(tiny(tok.vocab_size), tok, L0)
+    atomic_torch_save({k: v for k, v in ckpt.items() if k != "format_version"}, tmp_path / "unversioned.ckpt")
+    assert load_checkpoint(tmp_path / "unversioned.ckpt").train_max_len == L0
+    newer = tmp_path / "newer.ckpt"
+    atomic_torch_save(ckpt | {"format_version": FORMAT_VERSION + 1}, newer)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(newer)
+    assert str(info.value) == (
+        f"{newer} is in checkpoint format {FORMAT_VERSION + 1}, but this code reads format {FORMAT_VERSION}; "
+        "use the version of this project that wrote it."
+    )
 
 
 # ----------------------------------------------------------------------------- one-sentence errors

@@ -15,9 +15,9 @@ from model.rope import (
     TABLE_MAX_POSITIONS,
     RopeConfig,
     RotaryEmbedding,
-    _broadcasts_into,
     apply_rotary,
     default_inv_freq,
+    override_rope,
     rope_cos_sin,
     rope_frequencies,
 )
@@ -450,21 +450,17 @@ def test_input_validation():
         RotaryEmbedding(16, RopeConfig(rotary_dim=32))
 
 
-@pytest.mark.parametrize(
-    "shape, target",
-    [
-        ((1, 1, 256, 16), (16, 8, 256, 16)),
-        ((256, 16), (16, 8, 256, 16)),
-        ((16, 1, 256, 16), (16, 8, 256, 16)),
-        ((2, 1, 256, 16), (16, 8, 256, 16)),  # does not broadcast at all
-        ((16, 8, 256, 16), (8, 256, 16)),  # would enlarge the target
-        ((1, 256, 32), (1, 256, 16)),
-    ],
-)
-def test_broadcasts_into_agrees_with_torch(shape, target):
-    """The fast path's shape check (plain Python, no sympy import) says what torch.broadcast_shapes says."""
-    try:
-        expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
-    except RuntimeError:
-        expected = False
-    assert _broadcasts_into(torch.Size(shape), torch.Size(target)) == expected
+# ------------------------------------------------------------------------- inference-time override
+
+
+def test_override_rope_keeps_weight_defining_fields():
+    base = RopeConfig(base=500.0, layout="interleaved", rotary_dim=8, original_max_len=32)
+    cfg = override_rope(
+        base, {"scaling": "ntk", "factor": 8.0, "original_max_len": None, "layout": "half"}, 64
+    )
+    assert (cfg.scaling, cfg.factor, cfg.original_max_len) == ("ntk", 8.0, 64)  # None: the training length
+    assert (cfg.layout, cfg.rotary_dim, cfg.base) == ("interleaved", 8, 500.0)
+    with pytest.raises(ValueError, match="valid scalings are"):
+        override_rope(base, {"scaling": "bogus"})
+    with pytest.raises(ValueError, match=r"Unknown rope keys \['theta'\]"):
+        override_rope(base, {"theta": 2.0})

@@ -5,19 +5,23 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from inference.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
+from inference.cli import build
 from model.config import ModelConfig
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_logger, build_trainer, finish_wandb, run_summary, train
-from training.module import LitLlama, matmul_dtype
+from train import build_callbacks, build_trainer, run_summary, train
+from training.callbacks import TextSample
+from training.loggers import csv_logger, finish_wandb
+from training.module import LitLlama
 from training.optim import build_optimizer
+from training.throughput import matmul_dtype
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +57,36 @@ def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatc
         if group == "data" and option == "text_files":
             overrides.append("data.source.paths=[x.txt]")  # required field (???) in that file
         cfg = compose_train(overrides, tmp_path / f"{group}-{option}")
-        RopeConfig(**OmegaConf.to_container(cfg.rope, resolve=True))
-        ModelConfig(vocab_size=256, rope=RopeConfig(), **OmegaConf.to_container(cfg.model, resolve=True))
-        lit = LitLlama(
-            ModelConfig(vocab_size=256, **OmegaConf.to_container(cfg.model)).to_dict(), **cfg.optim
-        )
-        build_optimizer(lit.model, lit.optimizer_name, lit.lr, lit.weight_decay, lit.betas, False, **lit.muon)
-        datamodule = instantiate(cfg.data)  # constructs only; no download or preparation
+        assert isinstance(build(cfg.rope), RopeConfig)
+        model_config = build(cfg.model, vocab_size=256)  # as train.py fills it from the tokenizer
+        assert isinstance(model_config, ModelConfig) and model_config.rope == build(cfg.rope)
+        optim = build(cfg.optim)
+        build_optimizer(LitLlama(model_config, optim).model, optim, fused=False)
+        datamodule = build(cfg.data)  # constructs only; no download or preparation
         assert datamodule.max_len == cfg.data.max_len
+        callbacks = build_callbacks(cfg.callbacks)
+        assert all(isinstance(c, L.Callback) for c in callbacks)
+        assert isinstance(build(cfg.sample, tokenizer=None), TextSample)
         trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
         if trainer_cfg.get("strategy") in ("ddp", "fsdp") or trainer_cfg["accelerator"] == "gpu":
             assert trainer_cfg["_target_"] == "lightning.pytorch.Trainer"  # needs several devices / a GPU
         else:
-            trainer = build_trainer(cfg.trainer, logger=build_logger(cfg.logger, tmp_path, cfg))
+            trainer = build_trainer(cfg.trainer, logger=build(cfg.logger), callbacks=callbacks)
             assert trainer.max_steps == cfg.trainer.max_steps
             finish_wandb(trainer)  # a wandb run left open would be reused by later tests
+
+
+def test_logger_options_build_lightnings_loggers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    built = {}
+    for option in options("logger"):
+        cfg = compose_train([f"logger={option}"], tmp_path / option)
+        trainer = build_trainer(
+            cfg.trainer, logger=build(cfg.logger), callbacks=build_callbacks(cfg.callbacks)
+        )
+        built[option] = [type(logger).__name__ for logger in trainer.loggers]
+        finish_wandb(trainer)
+    assert built == {"csv": ["CSVLogger"], "none": [], "wandb": ["WandbLogger"]}
 
 
 def test_rope_original_len_follows_data_max_len(tmp_path):
@@ -258,11 +277,8 @@ def test_ddp_on_two_cpu_processes(tmp_path, corpus):
 
 
 def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
-    from train import build_logger
-
     (tmp_path / "metrics.csv").write_text("step,train/loss\n1,5.0\n")
-    cfg = OmegaConf.create({"kind": "csv"})
-    build_logger(cfg, tmp_path, cfg)
+    csv_logger(tmp_path)
     assert (tmp_path / "metrics.1.csv").read_text() == "step,train/loss\n1,5.0\n"
     assert not (tmp_path / "metrics.csv").exists()
 

@@ -1,1 +1,1 @@
-"""Training: the Lightning module, callbacks, precision choice, optimizers and throughput accounting."""
+"""Training: the Lightning module, callbacks, loggers, precision choice, optimizers and throughput accounting."""

@@ -1,5 +1,9 @@
 """Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, text samples at validation, and
-the Hydra callback that tells train.py whether it created its run directory."""
+the Hydra callback that tells train.py whether it created its run directory.
+
+configs/callbacks/default.yaml instantiates the Lightning callbacks (these and Lightning's own), one
+entry each; `sample` in configs/train.yaml instantiates TextSample.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import ClassVar
 import lightning as L
 import torch
 from hydra.experimental.callback import Callback as HydraCallback
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -73,7 +77,7 @@ class SaveLastCheckpoint(L.Callback):
     (what schedulers send before preemption: Lightning stops after the current batch, and this
     saves at that boundary), so `ckpt_path=last` always resumes from the latest state."""
 
-    def __init__(self, ckpt_dir: Path):
+    def __init__(self, ckpt_dir: str | Path):
         self.path = Path(ckpt_dir) / "last.ckpt"
 
     def _save(self, trainer: L.Trainer) -> None:
@@ -89,44 +93,20 @@ class SaveLastCheckpoint(L.Callback):
                 print(f"\nSIGTERM at step {trainer.global_step}: saved {self.path}", flush=True)
 
 
-def build_callbacks(cfg, run_dir: Path, sample: TextSample | None, log_lr: bool = True) -> list[L.Callback]:
-    """Checkpoints (last + best by val/loss), LR monitor (`log_lr`: Lightning refuses it without a
-    logger, as with logger=none), progress bar, text samples."""
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    callbacks: list[L.Callback] = [
-        SaveLastCheckpoint(ckpt_dir),
-        TQDMProgressBar(refresh_rate=cfg.progress_bar.refresh_rate),
-    ]
-    if log_lr:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    if cfg.checkpoint.save_last:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=ckpt_dir,
-                filename="step{step:06d}",
-                auto_insert_metric_name=False,
-                save_last=True,
-                save_top_k=-1 if cfg.checkpoint.keep_all else 0,
-                every_n_train_steps=cfg.checkpoint.every_n_train_steps,
-                # A run that ends before its first save gets last.ckpt from SaveLastCheckpoint, then
-                # from this callback's own on_train_end: overwrite it, not a second copy last-v1.ckpt.
-                enable_version_counter=False,
-            )
-        )
-    if cfg.checkpoint.save_best:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=ckpt_dir,
-                filename="best",
-                monitor="val/loss",
-                mode="min",
-                save_top_k=1,
-                enable_version_counter=False,
-            )
-        )
-    if sample is not None:
-        callbacks.append(sample)
-    return callbacks
+def step_checkpoint(dirpath: str | Path, every_n_train_steps: int, keep_all: bool = False) -> ModelCheckpoint:
+    """checkpoints/last.ckpt every `every_n_train_steps` steps (resume with ckpt_path=last); `keep_all`
+    also keeps checkpoints/stepNNNNNN.ckpt from every save (e.g. to resume mid-run)."""
+    return ModelCheckpoint(
+        dirpath=dirpath,
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        save_last=True,
+        save_top_k=-1 if keep_all else 0,
+        every_n_train_steps=every_n_train_steps,
+        # A run that ends before its first save gets last.ckpt from SaveLastCheckpoint, then from this
+        # callback's own on_train_end: overwrite it, not a second copy last-v1.ckpt.
+        enable_version_counter=False,
+    )
 
 
 class NewRunDirectories(HydraCallback):

@@ -4,87 +4,52 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
+from inference.checkpoint import format_entries
+from kernels import use_kernels
 from model.config import ModelConfig
 from model.llama import Llama
-from training.optim import build_optimizer, warmup_cosine
+from training.optim import OptimConfig, build_optimizer, warmup_cosine
+from training.throughput import matmul_dtype, measure_matmul_peak
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the run stops before a bad model can be checkpointed."""
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
-    """Achieved FLOP/s of a square matmul on this device: the denominator of our MFU."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):  # warm up kernels / caches
-        a @ b
-    reps, best = 5, float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def matmul_dtype(precision: str) -> torch.dtype:
-    """The dtype a Lightning `precision` setting runs the matmuls in ("bf16-mixed" -> bfloat16, ...)."""
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float64 if precision.startswith("64") else torch.float32
-
-
 class LitLlama(L.LightningModule):
+    """Trains a Llama of `model_config` with `optim`; its checkpoints record the model config, the tokenizer
+    and `train_max_len` (inference/checkpoint.py's format) so the model can be rebuilt from them alone."""
+
     def __init__(
         self,
-        model_config: dict,
-        name: str = "adamw",
-        lr: float = 3e-3,
-        min_lr_ratio: float = 0.1,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 100,
-        muon_lr: float = 0.02,
-        muon_momentum: float = 0.95,
-        muon_weight_decay: float = 0.0,
+        model_config: ModelConfig,
+        optim: OptimConfig | None = None,
         max_steps: int = 1000,
         compile: bool = False,
-        tokenizer: dict | None = None,
+        kernels: bool = True,
+        tokenizer: Tokenizer | None = None,
         train_max_len: int | None = None,
         chars_per_token: float | None = None,
         log_every_n_steps: int = 10,
     ):
         super().__init__()
-        self.config = (
-            ModelConfig.from_dict(dict(model_config)) if isinstance(model_config, dict) else model_config
-        )
-        self.model = Llama(self.config)
-        self.lr, self.min_lr_ratio, self.weight_decay, self.betas = (
-            lr,
-            min_lr_ratio,
-            weight_decay,
-            tuple(betas),
-        )
-        self.warmup_steps, self.max_steps = warmup_steps, max_steps
-        self.optimizer_name = name
-        self.muon = {
-            "muon_lr": muon_lr,
-            "muon_momentum": muon_momentum,
-            "muon_weight_decay": muon_weight_decay,
-        }
+        self.config = model_config
+        self.model = Llama(model_config)
+        if kernels:  # kernels/: drop-ins for some modules, same parameters and state dict
+            use_kernels(self.model)
+        self.optim = optim or OptimConfig()
+        self.max_steps = max_steps
         self.compile_model = compile
-        self.tokenizer_info = dict(tokenizer or {})
+        self.tokenizer = tokenizer
         self.train_max_len = train_max_len
         self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
         self.log_every_n_steps = log_every_n_steps
@@ -100,7 +65,7 @@ class LitLlama(L.LightningModule):
 
     def _loss(self, batch) -> torch.Tensor:
         inputs, targets = batch  # (B, L) each, targets shifted by one
-        return self.model(inputs, targets=targets)  # fused head + cross-entropy (model/loss.py)
+        return self.model(inputs, targets=targets)  # head + cross-entropy (fused by kernels/loss.py)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -155,11 +120,10 @@ class LitLlama(L.LightningModule):
         # Fused AdamW kernels exist for CUDA and CPU. Not under 16-mixed: its grad scaler must unscale the
         # gradients before they are clipped, and a fused step unscales them itself, too late for that.
         fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
-        optimizer = build_optimizer(
-            self.model, self.optimizer_name, self.lr, self.weight_decay, self.betas, fused, **self.muon
-        )
+        optimizer = build_optimizer(self.model, self.optim, fused)
+        warmup, min_lr_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps, self.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, warmup, self.max_steps, min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -179,7 +143,4 @@ class LitLlama(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Plain data only: generate.py and scripts rebuild model + tokenizer from these alone.
-        checkpoint["model_config"] = self.config.to_dict()
-        checkpoint["tokenizer"] = self.tokenizer_info
-        checkpoint["train_max_len"] = self.train_max_len
+        checkpoint.update(format_entries(self.config, self.tokenizer, self.train_max_len))

@@ -11,6 +11,7 @@ scheduler work unchanged.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,9 +27,27 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def check_optimizer_name(name: str) -> None:
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer optim.name={name!r}; choose one of {', '.join(OPTIMIZERS)}.")
+@dataclass
+class OptimConfig:
+    """configs/optim/<name>.yaml: the optimizer and its schedule; an unknown `name` fails on construction.
+    `lr`, `betas` and `weight_decay` are AdamW's (with muon: for the parameters Muon does not take)."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # matrices only
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 100
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"Unknown optimizer optim.name={self.name!r}; choose one of {', '.join(OPTIMIZERS)}."
+            )
+        self.betas = tuple(self.betas)  # a YAML list
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
@@ -73,28 +92,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    fused: bool,
-    muon_lr: float = 0.02,
-    muon_momentum: float = 0.95,
-    muon_weight_decay: float = 0.0,
-) -> torch.optim.Optimizer:
-    """The optimizer `optim.name` names; `lr`, `betas` and `weight_decay` are AdamW's in both cases."""
-    check_optimizer_name(name)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` names over `model`'s parameters (`fused`: AdamW's fused kernels)."""
     named = list(model.named_parameters())
-    if name == "adamw":
-        return torch.optim.AdamW(adamw_groups(named, weight_decay), lr=lr, betas=betas, fused=fused)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            adamw_groups(named, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused
+        )
     hidden = [p for n, p in named if is_hidden_matrix(n, p)]
     rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
     # "original" scaling: the update's RMS grows with sqrt(rows/cols) as in Keller Jordan's Muon, so one
     # muon_lr suits the square attention and the wide MLP matrices alike.
     muon = torch.optim.Muon(
-        hidden, lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original"
+        hidden,
+        lr=cfg.muon_lr,
+        momentum=cfg.muon_momentum,
+        weight_decay=cfg.muon_weight_decay,
+        adjust_lr_fn="original",
     )
-    adamw = torch.optim.AdamW(adamw_groups(rest, weight_decay), lr=lr, betas=betas, fused=fused)
+    adamw = torch.optim.AdamW(adamw_groups(rest, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused)
     return MuonWithAdamW(muon, adamw)

@@ -9,23 +9,12 @@ Explicit values (32-true, bf16-mixed, 16-mixed, ...) are passed to Lightning unc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from inference.device import cpu_flags
 
 AUTO = "auto"
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # CPU instructions that multiply bf16 matrices natively
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def uses_cuda(accelerator: str) -> bool:

@@ -1,26 +1,22 @@
-"""Fused LM head + cross-entropy: the training loss without the (tokens, vocab) logits tensor.
+"""Fused LM head + cross-entropy: a drop-in for model/llama.py's `LMHead.loss` without the
+(tokens, vocab) logits tensor.
 
 `F.cross_entropy(hidden @ W.T, targets)` materialises the logits (4096 x 4096 float32 = 64 MiB per
 default training step), writes them again in log_softmax, zero-fills and scatters their gradient,
 and reads them twice more in the backward: five passes over a tensor far larger than the cache.
 Here the rows go through the head `chunk_rows` at a time; each chunk's softmax gradient
 (softmax - onehot) is turned into the gradients of `hidden` and `W` while it is still in cache, so
-the backward only scales two saved gradients. Same loss and gradients (float32 accumulation),
-about 1.6x faster for the head + loss on the CPU (scripts/bench.py measures the whole step), and
-the peak memory of the step drops by the logits and their gradient.
+the backward only scales two saved gradients. Same loss and gradients (float32 accumulation), and
+the peak memory of the step drops by the logits and their gradient (docs/performance.md, Kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
+from model.llama import LMHead, autocast_dtype
+
 CHUNK_ROWS = 256  # 256 x 4096 float32 logits = 4 MiB: one chunk stays in a CPU core's L2 cache
-
-
-def autocast_dtype(t: torch.Tensor) -> torch.dtype:
-    """The matmul dtype autocast would choose for `t` (bf16 on GPU), else its own dtype."""
-    device_type = t.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else t.dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -75,7 +71,8 @@ def linear_cross_entropy(
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, chunked over rows.
 
     hidden: (..., C) final hidden states; weight: (V, C) LM head; targets: (...) class ids in [0, V).
-    Returns a float32 (float64 for float64 inputs) scalar equal to F.cross_entropy(hidden @ weight.T, targets) (mean reduction).
+    Returns a float32 (float64 for float64 inputs) scalar equal to
+    F.cross_entropy(hidden @ weight.T, targets) (mean reduction).
     Every target must be a real class: there is no ignore_index (training windows have no padding).
     """
     if chunk_rows < 1:
@@ -87,3 +84,10 @@ def linear_cross_entropy(
     # validation must not compute the head's gradients it would throw away.
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, need_grad)
+
+
+class KernelLMHead(LMHead):
+    """LMHead whose loss is `linear_cross_entropy`: same weight, same logits, no logits tensor."""
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(hidden, self.weight, targets)

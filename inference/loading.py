@@ -1,0 +1,37 @@
+"""A checkpoint ready to run: model on its device and dtype, RoPE override applied, and its tokenizer.
+
+    ckpt, tokenizer = load_model("runs/default", device="auto", dtype="float32", rope={"scaling": "ntk", "factor": 8})
+
+What generate.py and the scripts load; the checkpoint format itself is inference/checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from data.tokenizer import Tokenizer
+from inference.checkpoint import LoadedCheckpoint, load_checkpoint
+from inference.device import resolve_device, resolve_dtype
+from inference.generation import GenerationError
+from model.rope import override_rope
+
+
+def load_model(
+    ckpt: str, device: str = "auto", dtype: str = "float32", rope: dict | None = None
+) -> tuple[LoadedCheckpoint, Tokenizer]:
+    """Checkpoint (file or run directory) -> model on `device` in `dtype`, with `rope` (a configs/rope
+    group's values) replacing the checkpoint's RoPE scaling when given, + its tokenizer."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)  # before the (slow) load
+    loaded = load_checkpoint(ckpt)
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
+    if tokenizer.vocab_size > loaded.config.vocab_size:
+        raise GenerationError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {loaded.config.vocab_size}."
+        )
+    own = loaded.config.rope
+    new = own if rope is None else override_rope(own, rope, loaded.train_max_len)
+    if new.base != own.base:
+        print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
+    loaded.model.to(device=torch_device, dtype=torch_dtype)
+    loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
+    return loaded, tokenizer

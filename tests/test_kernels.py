@@ -1,0 +1,285 @@
+"""kernels/: every kernel against the plain op it replaces, and `use_kernels` as a pure swap.
+
+Each op: torch.autograd.gradcheck in float64, then forward and backward equal to the plain op in
+float32 (atol 1e-5, rtol 1e-5: float32 rounding of a different operation order) and in bfloat16
+(atol and rtol 2e-2: a few bf16 ulps, where the plain op rounds each intermediate product).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import KERNELS, use_kernels
+from kernels.loss import linear_cross_entropy
+from kernels.rms_norm import KernelRMSNorm
+from kernels.rope import _broadcasts_into
+from kernels.rope import apply_rotary as kernel_apply_rotary
+from kernels.swiglu import silu_mul
+from model.config import ModelConfig
+from model.llama import Llama
+from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def tiny(rope: RopeConfig | None = None, **kw) -> Llama:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, init_std=0.3)
+    return Llama(ModelConfig(rope=rope or RopeConfig(original_max_len=32), **{**cfg, **kw}))
+
+
+def assert_same_forward_and_backward(
+    kernel, plain, inputs: list[torch.Tensor], dtype: torch.dtype, compute_dtype: torch.dtype | None = None
+) -> None:
+    """kernel(*inputs) and plain(*inputs) with inputs in `dtype`: same output and same input gradients,
+    to the tolerance of `compute_dtype` (default `dtype`; bf16 under bf16 autocast)."""
+    tol = TOLERANCES[compute_dtype or dtype]
+    inputs = [t.detach().to(dtype).requires_grad_(t.is_floating_point()) for t in inputs]
+    out, out_plain = kernel(*inputs), plain(*inputs)
+    assert out.dtype == out_plain.dtype
+    torch.testing.assert_close(out, out_plain, atol=tol, rtol=tol)
+    grad = torch.randn_like(out)
+    wrt = [t for t in inputs if t.requires_grad]
+    for g, g_plain in zip(torch.autograd.grad(out, wrt, grad), torch.autograd.grad(out_plain, wrt, grad)):
+        assert g.dtype == g_plain.dtype
+        torch.testing.assert_close(g, g_plain, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize("batched_tables", [False, True])  # (L, R) tables, or (B, L, R) from (B, L) ids
+def test_rope_kernel_gradcheck_and_equals_plain(batched_tables):
+    rope = RotaryEmbedding(16, RopeConfig(scaling="yarn", factor=4.0, original_max_len=8))
+    ids = torch.arange(30, 35)[None].expand(2, -1) if batched_tables else torch.arange(30, 35)
+    cos, sin = rope.cos_sin(ids, torch.float64)
+    x = torch.randn(2, 3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert kernel_apply_rotary(x, cos, sin).grad_fn.name() == "_RotateHalfBackward"  # the kernel runs
+    assert torch.autograd.gradcheck(lambda t: kernel_apply_rotary(t, cos, sin), (x,))
+    for dtype, tol in TOLERANCES.items():
+        tables = cos.to(dtype), sin.to(dtype)
+        assert_same_forward_and_backward(
+            lambda t, c=tables: kernel_apply_rotary(t, *c),
+            lambda t, c=tables: apply_rotary(t, *c),
+            [x],
+            dtype,
+        )
+        with torch.no_grad():  # without autograd the kernel writes the halves straight into the output
+            y = x.detach().to(dtype)
+            torch.testing.assert_close(
+                kernel_apply_rotary(y, *tables), apply_rotary(y, *tables), atol=tol, rtol=tol
+            )
+
+
+@pytest.mark.parametrize("cfg", [RopeConfig(layout="interleaved"), RopeConfig(rotary_dim=8)])
+def test_rope_kernel_takes_the_plain_path_where_it_does_not_apply(cfg):
+    rope = RotaryEmbedding(16, cfg)
+    cos, sin = rope.cos_sin(torch.arange(5), torch.float32)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    assert torch.equal(kernel_apply_rotary(x, cos, sin, cfg.layout), apply_rotary(x, cos, sin, cfg.layout))
+
+
+@pytest.mark.parametrize(
+    "shape, target",
+    [
+        ((1, 1, 256, 16), (16, 8, 256, 16)),
+        ((256, 16), (16, 8, 256, 16)),
+        ((16, 1, 256, 16), (16, 8, 256, 16)),
+        ((2, 1, 256, 16), (16, 8, 256, 16)),  # does not broadcast at all
+        ((16, 8, 256, 16), (8, 256, 16)),  # would enlarge the target
+        ((1, 256, 32), (1, 256, 16)),
+    ],
+)
+def test_broadcasts_into_agrees_with_torch(shape, target):
+    """The RoPE kernel's shape check (plain Python, no sympy import) says what torch.broadcast_shapes says."""
+    try:
+        expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        expected = False
+    assert _broadcasts_into(torch.Size(shape), torch.Size(target)) == expected
+
+
+# ----------------------------------------------------------------------------- SwiGLU and RMSNorm
+
+
+def test_silu_mul_gradcheck_and_equals_plain():
+    gate_up = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    assert silu_mul(gate_up).grad_fn.name() == "_SiluMulBackward"
+    assert torch.autograd.gradcheck(silu_mul, (gate_up,))
+
+    def plain(t):
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    for dtype in TOLERANCES:
+        assert_same_forward_and_backward(silu_mul, plain, [gate_up], dtype)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's reference, bf16 input
+def test_rms_norm_kernel_gradcheck_and_equals_torch():
+    """Gradcheck in float64 (input and weight), and the output and both gradients of torch's
+    nn.RMSNorm in float32 and for a bfloat16 input (weight gradients summed over 28 rows: 10x tol)."""
+    norm = KernelRMSNorm(6, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert norm(x).grad_fn.name() == "_RMSNormBackward"
+    assert torch.autograd.gradcheck(norm, (x,))
+    reference = torch.nn.RMSNorm(6, eps=1e-5).double()
+    reference.load_state_dict(norm.state_dict())  # same parameter name: checkpoints are unchanged
+    for dtype, tol in TOLERANCES.items():
+        ours, ref = norm.float(), reference.float()
+        x = torch.randn(4, 7, 6).to(dtype).requires_grad_()
+        grad = torch.randn(4, 7, 6).to(dtype)
+        out, out_ref = ours(x), ref(x)
+        assert out.dtype == out_ref.dtype == dtype
+        torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
+        grads = torch.autograd.grad(out, (x, ours.weight), grad)
+        grads_ref = torch.autograd.grad(out_ref, (x, ref.weight), grad)
+        for g, g_ref in zip(grads, grads_ref):
+            assert g.dtype == g_ref.dtype
+            torch.testing.assert_close(g, g_ref, atol=tol * 10, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- fused head + loss
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 256])
+def test_fused_loss_equals_cross_entropy_of_logits(chunk_rows):
+    """Loss and gradients of the chunked head + loss equal the plain formula (float64: exact up to
+    rounding), also when the rows do not divide into chunks."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_rows)
+    (2.5 * loss).backward()  # an upstream gradient that is not 1
+    fused = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    ref = F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten())
+    (2.5 * ref).backward()
+    for got, expected in zip(fused, (ref.detach(), hidden.grad, weight.grad)):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    with torch.no_grad():  # evaluation: the same value, no gradient work
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows), ref.detach())
+
+
+def test_fused_loss_gradcheck():
+    hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (5,))
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_cross_entropy(h, w, targets, chunk_rows=2), (hidden, weight)
+    )
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_fused_loss_equals_the_plain_head_loss(dtype):
+    """The kernel head against model/llama.py's LMHead.loss: float32 weights, and bf16 autocast (the
+    training precision), where both compute the logits in bf16 and the softmax in float32."""
+    plain = tiny().lm_head
+    kernel = use_kernels(tiny()).lm_head
+    hidden = torch.randn(2, 9, 64)
+    targets = torch.randint(0, 97, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        assert_same_forward_and_backward(
+            lambda h: kernel.loss(h, targets),
+            lambda h: plain.loss(h, targets),
+            [hidden],
+            torch.float32,
+            dtype,
+        )
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_fused_loss_does_no_gradient_work_without_autograd(mode):
+    """Validation runs the loss under no_grad / inference_mode with parameters that require grad: only
+    the head's forward matmul may run (2 N C V flops), not the two gradient matmuls as well."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden = torch.randn(64, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    with mode(), FlopCounterMode(display=False) as counter:
+        linear_cross_entropy(hidden, weight, targets, chunk_rows=16)
+    assert counter.get_total_flops() == 2 * 64 * 16 * 50
+
+
+def test_fused_loss_rejects_mismatched_targets():
+    with pytest.raises(ValueError, match="6 hidden rows but 5 targets"):
+        linear_cross_entropy(torch.randn(6, 4), torch.randn(9, 4), torch.zeros(5, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- use_kernels
+
+
+def test_use_kernels_swaps_classes_and_keeps_every_tensor():
+    model = tiny()
+    before = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    plain_classes = [type(m) for m in model.modules()]
+    assert use_kernels(model) is model
+    kernel_classes = [type(m) for m in model.modules()]
+    assert set(KERNELS.values()) <= set(kernel_classes) and not set(KERNELS) & set(kernel_classes)
+    assert {name: t.data_ptr() for name, t in model.state_dict().items()} == before  # same keys, same tensors
+    assert model.lm_head.weight is model.embed.weight  # the tie survives
+    model.set_rope(RopeConfig(scaling="ntk", factor=2.0))
+    assert type(model.rope) is KERNELS[RotaryEmbedding]  # an override keeps the kernel
+    use_kernels(model, False)
+    assert [type(m) for m in model.modules()] == plain_classes
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_model_with_kernels_trains_like_the_plain_model(layout):
+    """float32: loss, logits without autograd, and every parameter's gradient (the tied embedding gets
+    both of its gradients) equal the plain model's. bf16 autocast: the loss is equal to bf16 tolerance,
+    and the gradients are as far from the float32 ones as the plain model's are (bf16 rounding
+    compounds through the layers, for the plain ops as much as for the kernels)."""
+    model = tiny(RopeConfig(layout=layout, original_max_len=32))
+    idx, targets = torch.randint(0, 97, (2, 20)), torch.randint(0, 97, (2, 20))
+
+    def run(kernels: bool, bf16: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        use_kernels(model, kernels)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(idx, targets=targets)
+            with torch.inference_mode():
+                logits = model(idx)
+        loss.backward()
+        return loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (loss, logits, grads), (loss_k, logits_k, grads_k) = run(False, False), run(True, False)
+    torch.testing.assert_close(loss_k, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits_k, logits, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_k[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+    (loss_16, _, grads_16), (loss_16k, _, grads_16k) = run(False, True), run(True, True)
+    torch.testing.assert_close(loss_16k, loss_16, atol=2e-2, rtol=2e-2)
+    reference = torch.cat([g.flatten() for g in grads.values()])
+
+    def error(g: dict) -> float:
+        return float((torch.cat([t.flatten() for t in g.values()]) - reference).norm() / reference.norm())
+
+    assert error(grads_16k) <= 1.25 * error(grads_16)
+
+
+def test_model_package_never_imports_kernels():
+    """Kernels are installed from outside: model/ stays the plain reference, readable on its own."""
+    for path in (ROOT / "model").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "kernels" or n.startswith("kernels.") for n in names), path.name
+
+
+def test_bench_kernels_smoke(capsys):
+    """scripts/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
+    from scripts.bench_kernels import main
+
+    main(["shape=tiny", "vocab=64", "batch=2", "seq_len=16", "repeats=2", "warmup=0"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| fp32", "| bf16"))]
+    assert len(rows) == 2 and all(row.count("x (") == 1 for row in rows)
