@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from inference.memory import check_fits, forward_bytes
 from kernels.cpu_decode import NativeDecodeUnavailable, NativeStep
 from model.kv_cache import KVCache
-from model.llama import Llama
+from model.llama import Llama, Positions
 
 
 class GenerationError(ValueError):
@@ -322,20 +322,19 @@ class EagerStep:
 def fixed_shape_step(
     model: Llama,
     token: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    positions: Positions,
     cache: KVCache,
     slot: torch.Tensor,
 ) -> torch.Tensor:
     """The one-token forward whose shapes never change: token ids (B, 1) written at the (1,) long
     cache `slot`, attending over every slot under the slot mask (KVCache.at_slot) -> logits (B, V).
 
-    cos, sin: (B, 1, R) or (1, R) for the tokens' positions (rope.cos_sin). No Python number in it
-    changes from step to step, so torch.compile builds it once per cache shape. The caller advances
-    the cache.
+    positions: the tokens' `model.positions(ids, dtype, seq_len, cache.at_slot(slot))`, ids (B, 1);
+    with Self-Extend its neighbour mask covers every slot. No Python number in it changes from step
+    to step, so torch.compile builds it once per cache shape. The caller advances the cache.
     """
     write = cache.at_slot(slot)
-    x = model.hidden_states(model.embed(token), cos, sin, write, write.mask())
+    x = model.hidden_states(model.embed(token), positions, write, write.mask())
     return model.lm_head(x[:, -1])
 
 
@@ -358,8 +357,9 @@ def compiled_fixed_shape_step() -> Callable:
 
 
 class CompiledStep:
-    """`fixed_shape_step` under torch.compile. The positions' cos/sin are gathered outside the graph,
-    and the slot is a tensor, so the graph sees no Python number that changes."""
+    """`fixed_shape_step` under torch.compile. The positions' cos/sin (and what an extension adds) are
+    gathered outside the graph, and the slot is a tensor, so the graph sees no Python number that
+    changes."""
 
     def __init__(self, model: Llama, cache: KVCache, position_ids: torch.Tensor):
         self.model, self.cache, self.position_ids = model, cache, position_ids
@@ -367,9 +367,9 @@ class CompiledStep:
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        positions = self.position_ids[:, cache.length, None]  # (B, 1)
-        cos, sin = self.model.rope.cos_sin(positions, self.model.embed.weight.dtype, seq_len=cache.seq_len)
-        logits = self.step(self.model, token, cos, sin, cache, cache.next_slot())
+        ids, slot = self.position_ids[:, cache.length, None], cache.next_slot()  # (B, 1), (1,)
+        positions = self.model.positions(ids, self.model.embed.weight.dtype, cache.seq_len, cache.at_slot(slot))
+        logits = self.step(self.model, token, positions, cache, slot)
         cache.advance(1)
         return logits
 

@@ -141,6 +141,10 @@ def check_supported(model, cache) -> None:
         )
     if any(not t.is_contiguous() for t in tensors):  # the C code reads every tensor row-major
         raise NativeDecodeUnavailable("native decoding needs contiguous weight and KV-cache tensors.")
+    if model.config.extend.method != "none":
+        raise NativeDecodeUnavailable(
+            f"native decoding does not implement extend={model.config.extend.method}; use compile=true."
+        )
     if model.training and model.config.dropout > 0:
         raise NativeDecodeUnavailable("native decoding has no dropout; call model.eval() first.")
 

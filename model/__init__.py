@@ -1,1 +1,1 @@
-"""The network and everything that runs it: RoPE, attention, KV cache, decoder, Lightning module."""
+"""The plain network: config, RoPE (and its overrides), attention and decoder blocks, KV cache, HF mapping."""

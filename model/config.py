@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from model.extend import ExtendConfig
 from model.rope import RopeConfig
 
 
@@ -21,10 +22,13 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     rope: RopeConfig = field(default_factory=RopeConfig)
+    extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
 
     def __post_init__(self):
         if isinstance(self.rope, dict):  # built from a checkpoint or a Hydra config
             self.rope = RopeConfig(**self.rope)
+        if isinstance(self.extend, dict):
+            self.extend = ExtendConfig(**self.extend)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_multiple_of"):
@@ -54,7 +58,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict:
-        """Plain dict (rope nested), safe for checkpoints loaded with weights_only=True."""
+        """Plain dict (rope and extend nested), safe for checkpoints loaded with weights_only=True."""
         return asdict(self)
 
     @classmethod

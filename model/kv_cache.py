@@ -1,7 +1,11 @@
 """Preallocated key/value cache: one (B, n_kv_heads, capacity, head_dim) buffer per layer.
 
 Cache slots are independent from RoPE positions: slot 0 may hold a token at position 10_000.
-Keys are stored after rotation, so decoding never re-rotates old keys.
+Keys are stored after rotation, so decoding never re-rotates old keys. With Self-Extend
+(model/extend.py) a cache built for the model (`for_model`, `grouped=True`) also stores every key
+rotated at its grouped position, in a second key buffer of the same size, and each slot's position,
+which the neighbour / grouped choice reads: a key's grouped rotation never changes, so it is
+written once like the other.
 
 Two ways to write, chosen by what the caller hands the model as its cache:
 - the KVCache itself: `update` appends at the Python-int `length` and attention covers the filled
@@ -26,11 +30,20 @@ if TYPE_CHECKING:
 
 
 def cache_bytes(
-    n_layers: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+    n_layers: int,
+    batch_size: int,
+    n_kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    grouped: bool = False,
 ) -> int:
     """Bytes of a KVCache: k and v of every layer, 2 * n_layers * (B, n_kv_heads, capacity, head_dim),
-    plus its int64 slot index."""
-    return 2 * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize + 8 * capacity
+    plus its int64 slot index; `grouped` adds the grouped keys of every layer and the (B, capacity)
+    int64 slot positions."""
+    buffers = 3 if grouped else 2
+    extra = 8 * batch_size * capacity if grouped else 0
+    return buffers * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize + 8 * capacity + extra
 
 
 class CacheFullError(ValueError):
@@ -48,13 +61,15 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         seq_len: int | None = None,
+        grouped: bool = False,
     ):
         """seq_len: the sequence length RoPE is computed for during this generation (dynamic NTK's
-        scale; None = the largest position seen so far), fixed so keys already cached stay consistent."""
+        scale; None = the largest position seen so far), fixed so keys already cached stay consistent.
+        grouped: also keep Self-Extend's grouped keys and the slots' positions (module docstring)."""
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be a positive number of tokens, got {capacity}.")
         check_fits(
-            cache_bytes(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype),
+            cache_bytes(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype, grouped),
             f"a KV cache of {batch_size} x {capacity:,} tokens",
             "the cache capacity or the batch size",
             device,
@@ -64,6 +79,9 @@ class KVCache:
         # where a write into a view of a shared buffer is copied whole by inductor.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.k_grouped = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if grouped else None
+        # (B, capacity) int64: the position of each slot's token (Self-Extend's distances)
+        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
         self.key_mask: torch.Tensor | None = None  # (B, capacity) bool; False marks padding slots
         self.seq_len = seq_len
         self.length = 0  # filled slots, a Python int so the decode loop never syncs with the device
@@ -82,12 +100,21 @@ class KVCache:
             device=weight.device,
             dtype=weight.dtype,
             seq_len=seq_len,
+            grouped=config.extend.self_extend,
         )
 
     @staticmethod
     def bytes_for_model(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
         """What a cache of a model with this ModelConfig allocates in `dtype` (cache_bytes)."""
-        return cache_bytes(config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim, dtype)
+        return cache_bytes(
+            config.n_layers,
+            batch_size,
+            config.n_kv_heads,
+            capacity,
+            config.head_dim,
+            dtype,
+            config.extend.self_extend,
+        )
 
     @property
     def capacity(self) -> int:
@@ -98,8 +125,13 @@ class KVCache:
         return self.k[0].shape[0]
 
     @property
+    def grouped(self) -> bool:
+        return self.k_grouped is not None
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        grouped = [*self.k_grouped, self.positions] if self.grouped else []
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *grouped))
 
     def reset(self) -> None:
         self.length = 0
@@ -119,13 +151,26 @@ class KVCache:
                 f"of {self.capacity}; allocate a larger cache."
             )
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v: (B, KV, L, D) at the next L slots; return the (B, KV, S, D) keys and values of
-        the S = length + L filled slots, to attend over."""
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_grouped: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write k, v (and the grouped keys of a grouped cache): (B, KV, L, D) at the next L slots;
+        return the (B, KV, S, D) keys, values and grouped keys (None without) of the S = length + L
+        filled slots, to attend over."""
         start, end = self.length, self.length + k.shape[2]
         self.k[layer][:, :, start:end] = k  # in-place: no per-step allocation
         self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if k_grouped is None:
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end], None
+        self.k_grouped[layer][:, :, start:end] = k_grouped
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self.k_grouped[layer][:, :, :end]
+
+    def record_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Write the positions (L,) or (B, L) of a grouped cache's next L slots; return the (B, S)
+        positions of the S = length + L filled slots."""
+        start, end = self.length, self.length + position_ids.shape[-1]
+        self.positions[:, start:end] = position_ids
+        return self.positions[:, :end]
 
     def next_slot(self) -> torch.Tensor:
         """(1,) long index of the next free slot, a view of a preallocated index (no allocation)."""
@@ -151,12 +196,28 @@ class SlotWrite:
     def __init__(self, cache: KVCache, slot: torch.Tensor):
         self.cache, self.slot = cache, slot
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v: (B, KV, 1, D) at `slot`; return the (B, KV, capacity, D) keys and values."""
+    @property
+    def grouped(self) -> bool:
+        return self.cache.grouped
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_grouped: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write k, v (and grouped keys): (B, KV, 1, D) at `slot`; return the (B, KV, capacity, D)
+        keys, values and grouped keys (None without)."""
         keys, values = self.cache.k[layer], self.cache.v[layer]
         keys[:, :, self.slot] = k
         values[:, :, self.slot] = v
-        return keys, values
+        if k_grouped is None:
+            return keys, values, None
+        grouped = self.cache.k_grouped[layer]
+        grouped[:, :, self.slot] = k_grouped
+        return keys, values, grouped
+
+    def record_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Write the positions (B, 1) of the token at `slot`; return the (B, capacity) positions."""
+        self.cache.positions[:, self.slot] = position_ids
+        return self.cache.positions
 
     def mask(self) -> torch.Tensor:
         """(B|1, 1, 1, capacity) bool attention mask: the slots written so far, padding excluded."""

@@ -1,7 +1,9 @@
 """LLaMA-style decoder: RMSNorm, grouped-query attention with RoPE, SwiGLU, tied LM head.
 
 Every attention layer uses the model's ONE RotaryEmbedding: cos/sin are gathered once per forward
-and every layer rotates with them through `rope.rotate`, in the layout of the rope's config.
+(`Llama.positions`, with what a context extension of model/extend.py adds: log-n query scales,
+Self-Extend's grouped rotations and neighbour mask) and every layer rotates with them through
+`rope.rotate`, in the layout of the rope's config.
 Projections are fused (qkv, gate+up) for speed; export to Hugging Face splits them again.
 
 Plain PyTorch, one path per op: this is the reference network. kernels/ holds faster drop-ins for
@@ -12,12 +14,21 @@ some of its modules (same parameters, same state dict) that are installed from o
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.extend import (
+    ExtendConfig,
+    grouped_key_positions,
+    grouped_query_positions,
+    logn_scale,
+    merged_attention,
+    neighbour_mask,
+)
 from model.kv_cache import KVCache, SlotWrite
 from model.rope import RotaryEmbedding
 
@@ -26,6 +37,25 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype:
     """The matmul dtype autocast would choose for `t` (bf16 on GPU), else its own dtype."""
     device_type = t.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else t.dtype
+
+
+class Positions(NamedTuple):
+    """What attention needs about the positions of one forward's tokens, built once per forward by
+    `Llama.positions` and shared by every layer.
+
+    cos, sin:     (L, R) or (B, L, R): the rotation at the tokens' true positions (queries and keys).
+    query_scale:  logn: (L, 1) or (B, 1, L, 1), multiplies the rotated queries; else None.
+    grouped:      self_extend: (query cos, query sin, key cos, key sin), each shaped like cos, the
+                  rotations at the grouped positions; None when neither the cache nor the merge needs them.
+    near:         self_extend when some query-key distance may reach the window: (B|1, 1, L, S) bool,
+                  True where the neighbour score is used (`neighbour_mask`); None = plain attention.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    query_scale: torch.Tensor | None = None
+    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    near: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -41,12 +71,11 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: RotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: Positions,
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x: (B, L, C); cos, sin: (L, R) or (B, L, R); mask: None (causal) or (B|1, 1, L, S) bool."""
+        """x: (B, L, C) -> (B, L, C); mask: None (causal) or (B|1, 1, L, S) bool."""
         B, L, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
@@ -55,18 +84,29 @@ class Attention(nn.Module):
         q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, L, D)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer, k, v)  # keys are cached after rotation
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and L > 1 and k.shape[2] == L,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,  # no repeat_interleave copy of K/V
-        )
+        cos, sin, query_scale, grouped, near = positions
+        q_rot, k_rot = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        if query_scale is not None:
+            q_rot = q_rot * query_scale
+        k_grouped = None if grouped is None else rope.rotate(k, grouped[2], grouped[3])
+        if kv_cache is not None:  # keys are cached after rotation (both rotations with Self-Extend)
+            k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
+        dropout_p = self.dropout if self.training else 0.0
+        if near is None:
+            y = F.scaled_dot_product_attention(
+                q_rot,
+                k_rot,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and L > 1 and k_rot.shape[2] == L,
+                dropout_p=dropout_p,
+                enable_gqa=self.n_kv_heads != self.n_heads,  # no repeat_interleave copy of K/V
+            )
+        else:
+            q_grouped = rope.rotate(q, grouped[0], grouped[1])
+            if query_scale is not None:
+                q_grouped = q_grouped * query_scale
+            y = merged_attention(q_rot, k_rot, q_grouped, k_grouped, v, near, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -104,9 +144,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()  # p=0: skip the call
 
-    def forward(self, x, rope, cos, sin, kv_cache, mask):
+    def forward(self, x, rope, positions, kv_cache, mask):
         """x: (B, L, C) -> (B, L, C); the other arguments as in Attention.forward."""
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cos, sin, kv_cache, mask))
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, positions, kv_cache, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -136,6 +176,11 @@ class Llama(nn.Module):
         rope keeps the class of the old one, so a drop-in subclass installed from outside stays."""
         self.config.rope = rope_config
         self.rope = type(self.rope)(self.config.head_dim, rope_config).to(self.embed.weight.device)
+
+    def set_extend(self, extend_config: ExtendConfig) -> None:
+        """Swap the context extension (an inference-time override); weights are unchanged. A KV cache
+        is built for one extension (`KVCache.for_model`): build it after this call."""
+        self.config.extend = extend_config
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied head counts once); `non_embedding` drops the token table."""
@@ -193,31 +238,73 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + L, device=idx.device)
             seq_len = seq_len or start + L
         dtype = autocast_dtype(x)  # the dtype q and k will have
-        if kv_cache is None and seq_len == L:  # default training positions 0..L-1: a slice of the table,
-            cos, sin = self.rope.cos_sin(None, dtype, seq_len=L, device=idx.device)  # no gather, no host sync
-        else:  # (the sync in the gather path is a torch.compile graph break)
-            cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=seq_len)
-        x = self.hidden_states(x, cos, sin, kv_cache, self._attention_mask(L, kv_cache, idx.device))
+        positions = self.positions(position_ids, dtype, seq_len, kv_cache, default=kv_cache is None and seq_len == L)
+        x = self.hidden_states(x, positions, kv_cache, self._attention_mask(L, kv_cache, idx.device))
         if kv_cache is not None:
             kv_cache.advance(L)
         if targets is not None:
             return self.lm_head.loss(x, targets)
         return self.lm_head(x)
 
+    def positions(
+        self,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+        seq_len: int | None,
+        kv_cache: KVCache | SlotWrite | None,
+        default: bool = False,
+    ) -> Positions:
+        """Everything attention needs about the positions of one forward's tokens (`Positions`).
+
+        position_ids: (L,) or (B, L); seq_len: as in `rope.cos_sin` (None = the largest id + 1, which
+        costs a host sync); default: the ids are 0..L-1 and seq_len is L, so cos/sin are a slice of the
+        table (no gather, no host sync). With Self-Extend and a cache, the tokens' positions are
+        recorded in the cache here (before any layer attends), and its grouped keys are written by
+        every forward, so a later forward whose distances reach the window finds them all.
+        """
+        if default:
+            cos, sin = self.rope.cos_sin(None, dtype, seq_len=seq_len, device=position_ids.device)
+        else:  # (the sync in the gather path is a torch.compile graph break)
+            cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=seq_len)
+        extend = self.config.extend
+        query_scale = None
+        if extend.logn:  # (L,) -> (L, 1), (B, L) -> (B, 1, L, 1): one scale per query row
+            scale = logn_scale(position_ids, extend.original_max_len).to(dtype)[..., None]
+            query_scale = scale if scale.ndim == 2 else scale[:, None]
+        if not extend.self_extend:
+            return Positions(cos, sin, query_scale)
+        if kv_cache is not None and not kv_cache.grouped:
+            raise ValueError(
+                "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after set_extend."
+            )
+        seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len  # the grouped ids use the same
+        merge = not extend.plain_within(seq_len)
+        if kv_cache is None and not merge:
+            return Positions(cos, sin, query_scale)
+        query_ids = grouped_query_positions(position_ids, extend.window, extend.group)
+        key_ids = grouped_key_positions(position_ids, extend.group)
+        grouped = (
+            *self.rope.cos_sin(query_ids, dtype, seq_len=seq_len),
+            *self.rope.cos_sin(key_ids, dtype, seq_len=seq_len),
+        )
+        query_positions = position_ids if position_ids.ndim == 2 else position_ids[None]  # (B|1, L)
+        key_positions = query_positions if kv_cache is None else kv_cache.record_positions(position_ids)
+        near = neighbour_mask(query_positions, key_positions, extend.window)[:, None] if merge else None
+        return Positions(cos, sin, query_scale, grouped, near)
+
     def hidden_states(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: Positions,
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """(B, L, C) embeddings -> (B, L, C) normalised hidden states: every block, then the final norm.
 
-        cos, sin: (L, R) or (B, L, R) from `rope.cos_sin`; kv_cache and mask as in Attention.forward.
-        `forward` runs this between the embedding and the head; a caller with its own cos/sin and
-        mask (`fixed_shape_step` of inference/generation.py) runs it directly.
+        positions: from `self.positions`; kv_cache and mask as in Attention.forward. `forward` runs this
+        between the embedding and the head; a caller with its own positions and mask
+        (`fixed_shape_step` of inference/generation.py) runs it directly.
         """
         for block in self.blocks:
-            x = block(x, self.rope, cos, sin, kv_cache, mask)
+            x = block(x, self.rope, positions, kv_cache, mask)
         return self.norm(x)

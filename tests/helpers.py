@@ -22,6 +22,16 @@ from model.rope import RopeConfig
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 L0 = 32  # the training length of the tiny runs, models and checkpoints below
+# The RoPE settings every parity test runs (model, HF export, GGUF): each scaling, and the other layout.
+ROPES = {
+    "none": RopeConfig(original_max_len=L0),
+    "linear": RopeConfig(scaling="linear", factor=4.0, original_max_len=L0),
+    "ntk": RopeConfig(scaling="ntk", factor=4.0, original_max_len=L0),
+    "dynamic_ntk": RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0),
+    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),
+    "llama3": RopeConfig(scaling="llama3", factor=4.0, original_max_len=L0, base=500.0),
+    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
+}
 TEXT = (
     "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
     "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n\n"

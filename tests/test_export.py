@@ -16,8 +16,7 @@ from inference.loading import load_model
 from model.rope import RopeConfig
 from scripts.export_hf import export, main
 from scripts.import_hf import import_hf
-from tests.helpers import ROOT, write_checkpoint
-from tests.test_model import L0, ROPES  # the same seven settings the parity tests use
+from tests.helpers import L0, ROOT, ROPES, write_checkpoint
 
 
 @pytest.mark.parametrize("name", list(ROPES))

@@ -153,8 +153,9 @@ def test_fixed_shape_step_equals_full_forward(rope, n_kv_heads):
         model(padded, position_ids=pad_positions, kv_cache=cache)
         steps = []
         for t in range(5):
-            cos, sin = model.rope.cos_sin(positions[6 + t, None], torch.float32, seq_len=511)
-            steps.append(fixed_shape_step(model, rest[:, t : t + 1], cos, sin, cache, cache.next_slot()))
+            slot = cache.next_slot()
+            at = model.positions(positions[6 + t, None], torch.float32, 511, cache.at_slot(slot))
+            steps.append(fixed_shape_step(model, rest[:, t : t + 1], at, cache, slot))
             cache.advance(1)
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
 
@@ -169,8 +170,9 @@ def test_an_eager_forward_after_a_fixed_shape_step_appends():
         full = model(tokens)
         cache = KVCache.for_model(model, 1, 16, seq_len=16)  # 6 slots never written
         model(tokens[:, :6], kv_cache=cache)
-        cos, sin = model.rope.cos_sin(torch.tensor([6]), torch.float32, seq_len=16)
-        steps = [fixed_shape_step(model, tokens[:, 6:7], cos, sin, cache, cache.next_slot())]
+        slot = cache.next_slot()
+        at = model.positions(torch.tensor([6]), torch.float32, 16, cache.at_slot(slot))
+        steps = [fixed_shape_step(model, tokens[:, 6:7], at, cache, slot)]
         cache.advance(1)
         steps += [model(tokens[:, t : t + 1], kv_cache=cache)[:, -1] for t in range(7, 10)]
     assert cache.length == 10

@@ -22,8 +22,7 @@ from model.config import ModelConfig
 from model.hf import from_hf_state_dict, interleaved_to_half, to_hf_state_dict
 from model.rope import RopeConfig, RotaryEmbedding, ntk_base
 from scripts.export_gguf import ARCH, export, main
-from tests.helpers import write_checkpoint
-from tests.test_model import L0, ROPES
+from tests.helpers import L0, ROPES, write_checkpoint
 
 EXPORTABLE = {
     **{name: rope for name, rope in ROPES.items() if name != "dynamic_ntk"},

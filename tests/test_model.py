@@ -10,8 +10,7 @@ from model.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from model.kv_cache import CacheFullError, KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
-
-L0 = 32  # training length the scalings are relative to
+from tests.helpers import L0, ROPES
 
 
 def tiny(rope: RopeConfig | None = None, **kw) -> Llama:
@@ -26,17 +25,6 @@ def hf_twin(model: Llama) -> LlamaForCausalLM:
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.state_dict(), model.config), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head is shared, not stored
     return hf
-
-
-ROPES = {
-    "none": RopeConfig(original_max_len=L0),
-    "linear": RopeConfig(scaling="linear", factor=4.0, original_max_len=L0),
-    "ntk": RopeConfig(scaling="ntk", factor=4.0, original_max_len=L0),
-    "dynamic_ntk": RopeConfig(scaling="dynamic_ntk", factor=4.0, original_max_len=L0),
-    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),
-    "llama3": RopeConfig(scaling="llama3", factor=4.0, original_max_len=L0, base=500.0),
-    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
-}
 
 
 @pytest.mark.parametrize("name", list(ROPES))
