@@ -18,7 +18,7 @@ Design, and why:
 - Several facts with distinct tags and values, so the answer is not simply the last number.
 - The haystack is real training text, so the window still teaches the language model (held-out
   bpc stays comparable), and the windows' validation/test splits are never touched.
-- None of the evaluation prompts' sentences (scripts/passkey.py, inference/retrieval.py) can occur:
+- None of the evaluation prompts' sentences (inference/retrieval.py, which scripts/passkey.py uses) can occur:
   the word lists avoid their words (no "pass", "key", "grass", "sky", ...); tests check it.
 - Curriculum: over the first `curriculum_batches` batches the largest number of facts grows from
   `min_pairs` to `max_pairs`, and facts move from the window's last quarter (short distance) to

@@ -7,12 +7,12 @@
     answer_correct(" 40213.", p.answer)           # greedy scoring: first integer of the output == answer
 
 Tasks (Hsieh et al. 2024, RULER: single / multi-key needle-in-a-haystack and variable tracking):
-  passkey    one 5-digit key in the filler, with scripts/passkey.py's wording (imported, not copied)
+  passkey    one 5-digit key in the filler, with the passkey wording of scripts/passkey.py (defined here)
   multikey   `keys` needles with distinct names and keys; the question asks for one of them
   vartrack   `chains` chains VAR A = 12345, VAR B = VAR A, ... (`hops` copies each); the question
              asks for the value of one chain's last variable, so the answer needs every hop
 
-Every prompt is scripts/passkey.py's instruction, then its filler repeated, with the needles in
+Every prompt is the passkey instruction, then its filler repeated, with the needles in
 it, then the question. The filler is cut at sentence boundaries, so a prompt has at most
 `length` tokens and falls short by less than one filler sentence (a few tokens). The asked
 needle (the first assignment of the asked chain) goes after round(depth * n) of the n filler
@@ -30,9 +30,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.tokenizer import Tokenizer
-from scripts.passkey import FILLER, INTRO, NEEDLE, QUESTION, first_integer, random_keys
 
 TASKS = ("passkey", "multikey", "vartrack")
+# The passkey prompt of Mohtashami & Jaggi (2023), as scripts/passkey.py and the literature use it.
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
 MULTIKEY_NEEDLE = " The pass key of the {name} is {key}. Remember it. {key} is the pass key of the {name}."
 MULTIKEY_QUESTION = " What is the pass key of the {name}? The pass key of the {name} is"
 VAR_VALUE = " VAR {name} = {value}."
@@ -42,6 +49,22 @@ WORDING = (MULTIKEY_NEEDLE, MULTIKEY_QUESTION, VAR_VALUE, VAR_COPY, VAR_QUESTION
 NAMES = ("fox", "owl", "bear", "wolf", "hare", "crow", "deer", "lynx", "seal", "swan", "mole", "toad",
          "frog", "goat", "lark", "wren")  # fmt: skip
 VAR_NAME_LETTERS = 5  # RULER's variable names: 5 random capital letters
+
+
+def first_integer(text: str) -> int | None:
+    """The first run of digits in `text` as an int (" 71432." -> 71432), None if there is none."""
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) -> list[int]:
+    """`n` distinct 5-digit keys (10000..99999), none equal to `exclude`."""
+    keys: list[int] = []
+    while len(keys) < n:
+        k = int(rng.integers(10_000, 100_000))
+        if k != exclude and k not in keys:
+            keys.append(k)
+    return keys
 
 
 @dataclass(frozen=True)

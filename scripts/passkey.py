@@ -11,7 +11,6 @@ depth) and passkey_<method>.png (length x depth heatmaps). Options: configs/pass
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from inference.evaluation import continuation_logprobs, forward_groups, rows_per
 from inference.generation import GREEDY, check_integer, generate, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
+from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION, first_integer, random_keys
 from scripts.common import (
     CONFIGS,
     check_common,
@@ -42,14 +42,6 @@ from scripts.common import (
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-
-INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there."
-)
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
 
 
 @dataclass(frozen=True)
@@ -73,22 +65,6 @@ def build_prompt(tok: Tokenizer, length: int, depth: float, key: int) -> Passkey
     before = round(depth * repeats)
     tokens = [tok.bos_id, *intro, *filler * before, *needle, *filler * (repeats - before), *question]
     return PasskeyPrompt(tokens, key, 1 + len(intro) + before * len(filler), before / max(repeats, 1))
-
-
-def first_integer(text: str) -> int | None:
-    """The first run of digits in `text` as an int (" 71432." -> 71432), None if there is none."""
-    match = re.search(r"\d+", text)
-    return int(match.group()) if match else None
-
-
-def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) -> list[int]:
-    """`n` distinct 5-digit keys (10000..99999), none equal to `exclude`."""
-    keys: list[int] = []
-    while len(keys) < n:
-        k = int(rng.integers(10_000, 100_000))
-        if k != exclude and k not in keys:
-            keys.append(k)
-    return keys
 
 
 def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: int) -> list[list[int]]:

@@ -10,7 +10,7 @@ import torch
 from data import DataError, TextDataModule
 from data.recall import ADJECTIVES, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
 from inference import retrieval
-from scripts.passkey import FILLER, INTRO, NEEDLE, QUESTION
+from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
 
