@@ -126,3 +126,26 @@ def test_quick_bench_times_llama_cpp_on_our_weights(tmp_path):
     for ctx, s in theirs.items():  # ours / llama.cpp in tokens/s = their seconds / ours
         assert math.isclose(ratio[ctx], s / latency["seconds_per_token"][ctx])
     assert "| ours / llama.cpp |" in run.stdout
+
+
+def test_quick_bench_times_training_in_every_requested_precision(tmp_path):
+    """precision=fp32 plus train_precisions=[bf16]: both training runs, each MFU against its own dtype's
+    matmul peak, and the bf16 ratio is what the bf16 target reads."""
+    out = tmp_path / "bench.json"
+    run = quick_bench("precision=fp32", "train_precisions=[bf16]", "peers=[transformers]", f"out={out}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert [t["dtype"] for t in r["train"]] == ["float32", "bfloat16"]
+    peaks = r["matmul_peak_flops_by_dtype"]
+    assert set(peaks) == {"float32", "bfloat16"} and r["matmul_peak_flops"] == peaks["float32"]
+    for t in r["train"]:
+        assert math.isclose(t["mfu"], t["achieved_flops"] / peaks[t["dtype"]])
+    targets = {t["name"]: t for t in r["targets"]}
+    if "transformers" in r["peers"]:
+        assert targets["train_bf16_vs_transformers"]["value"] == r["train"][1]["ratio"]["transformers"]
+    assert "eager bfloat16" in run.stdout
+
+
+def test_bench_refuses_an_unknown_training_precision(tmp_path):
+    run = quick_bench("train_precisions=[fp8]", f"out={tmp_path / 'b.json'}")
+    assert run.returncode != 0 and "train_precisions ['fp8'] are unknown" in run.stderr
