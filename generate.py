@@ -2,6 +2,7 @@
 
     python generate.py ckpt=runs/shakespeare prompt="ROMEO:" max_new_tokens=200 temperature=0.8 top_k=50
     python generate.py ckpt=runs/shakespeare prompt="ROMEO:" greedy=true start_pos=4000 rope=ntk rope.factor=8
+    python generate.py ckpt=runs/shakespeare mode=score text_file=hamlet.txt extend=self_extend extend.group=32
     python generate.py ckpt=runs/shakespeare prompt_file=prompts.txt num_samples=2 stop='["\\n\\n"]'
     python generate.py ckpt=runs/shakespeare mode=score text_file=hamlet.txt chunk=64
 
@@ -37,11 +38,18 @@ CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works wh
 
 
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
-    """The checkpoint `cfg.ckpt` on `cfg.device` in `cfg.dtype`, with the `rope=<group>` override if given."""
-    rope = None
-    if cfg.get("rope") is not None:  # only the group's values: its `_target_` builds a RopeConfig in train.py
-        rope = {k: v for k, v in OmegaConf.to_container(cfg.rope, resolve=True).items() if k != "_target_"}
-    return load_model(cfg.ckpt, cfg.device, cfg.dtype, rope)
+    """The checkpoint `cfg.ckpt` on `cfg.device` in `cfg.dtype`, with the `rope=<group>` and
+    `extend=<group>` overrides if given."""
+    rope, extend = (group_values(cfg, name) for name in ("rope", "extend"))
+    return load_model(cfg.ckpt, cfg.device, cfg.dtype, rope, extend)
+
+
+def group_values(cfg: DictConfig, name: str) -> dict | None:
+    """A config group's values, None when the group was not chosen; without its `_target_`, which
+    builds the config object in train.py."""
+    if cfg.get(name) is None:
+        return None
+    return {k: v for k, v in OmegaConf.to_container(cfg[name], resolve=True).items() if k != "_target_"}
 
 
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}

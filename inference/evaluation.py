@@ -1,6 +1,7 @@
 """Length-extrapolation metrics: windows, perplexities, per-position curves, bootstrap intervals.
 
     rope = method_rope(ckpt.config.rope, "yarn", matched_factor(4096, 256), train_len=256)
+    extend = method_extend(ckpt.config.extend, "yarn+logn", train_len=256)   # a method may add an extension
     windows, docs = split_windows(documents, length=4096, max_windows=4)   # (W, 4097), (W,)
     losses = window_losses(model, windows, chunk=1024, batch=2)           # (W, 4096) nats per token
     loss, low, high = bootstrap_mean(losses.mean(1), groups=None, seed=0)  # point + 95% interval
@@ -21,12 +22,14 @@ import numpy as np
 import torch
 
 from inference.generation import left_pad, score_tokens
+from model.extend import EXTEND_METHODS, ExtendConfig, override_extend
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import SCALINGS, RopeConfig, override_rope
 
-CKPT_METHOD = "ckpt"  # the checkpoint's own RoPE, unchanged (e.g. a PI / YaRN fine-tune)
-METHODS = (*SCALINGS, CKPT_METHOD)
+CKPT_METHOD = "ckpt"  # the checkpoint's own RoPE and extension, unchanged (e.g. a PI / YaRN fine-tune)
+METHODS = (*SCALINGS, CKPT_METHOD)  # the RoPE part of a method
+EXTENSIONS = tuple(m for m in EXTEND_METHODS if m != "none")  # the extension part (model/extend.py)
 
 
 # ----------------------------------------------------------------------------- methods
@@ -37,19 +40,45 @@ def matched_factor(length: int, train_len: int) -> float:
     return max(1.0, length / train_len)
 
 
+def split_method(method: str) -> tuple[str, str | None]:
+    """A method is a RoPE method (`yarn`), an extension (`self_extend`, on the plain RoPE `none`) or
+    both (`yarn+logn`) -> (RoPE method, extension or None)."""
+    rope, plus, extension = method.partition("+")
+    if not plus and rope in EXTENSIONS:
+        rope, extension = "none", rope
+    if rope not in METHODS or (plus and extension not in EXTENSIONS):
+        raise ValueError(
+            f"Unknown method {method!r}; a method is a RoPE method ({', '.join(METHODS)}), an extension "
+            f"({', '.join(EXTENSIONS)}) or <RoPE method>+<extension>, e.g. yarn+logn."
+        )
+    return rope, extension or None
+
+
 def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; valid methods are {', '.join(METHODS)}.")
+    split_method(method)
 
 
 def method_rope(ckpt_rope: RopeConfig, method: str, factor: float, train_len: int) -> RopeConfig:
     """The RoPE a method evaluates with: the checkpoint's (base, layout, ...) with the scaling
     replaced, `factor` and original_max_len = the checkpoint's training length. `ckpt` = unchanged."""
-    check_method(method)
-    if method == CKPT_METHOD:
+    scaling, _ = split_method(method)
+    if scaling == CKPT_METHOD:
         return ckpt_rope
-    factor = 1.0 if method == "none" else float(factor)  # unused by `none`; 1 keeps reports honest
-    return override_rope(ckpt_rope, {"scaling": method, "factor": factor, "original_max_len": train_len})
+    factor = 1.0 if scaling == "none" else float(factor)  # unused by `none`; 1 keeps reports honest
+    return override_rope(ckpt_rope, {"scaling": scaling, "factor": factor, "original_max_len": train_len})
+
+
+def method_extend(
+    ckpt_extend: ExtendConfig, method: str, train_len: int, options: dict | None = None
+) -> ExtendConfig:
+    """The extension a method evaluates with: the one it names, with `options` (e.g. window, group)
+    over the checkpoint's values and original_max_len = the checkpoint's training length; none when
+    it names none, except `ckpt` alone, which keeps the checkpoint's own."""
+    scaling, extension = split_method(method)
+    if extension is None and scaling == CKPT_METHOD:
+        return ckpt_extend
+    values = {**(options or {}), "method": extension or "none", "original_max_len": train_len}
+    return override_extend(ckpt_extend, values)
 
 
 # ----------------------------------------------------------------------------- windows and losses

@@ -368,7 +368,9 @@ class CompiledStep:
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         ids, slot = self.position_ids[:, cache.length, None], cache.next_slot()  # (B, 1), (1,)
-        positions = self.model.positions(ids, self.model.embed.weight.dtype, cache.seq_len, cache.at_slot(slot))
+        positions = self.model.positions(
+            ids, self.model.embed.weight.dtype, cache.seq_len, cache.at_slot(slot)
+        )
         logits = self.step(self.model, token, positions, cache, slot)
         cache.advance(1)
         return logits

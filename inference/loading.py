@@ -1,4 +1,5 @@
-"""A checkpoint ready to run: model on its device and dtype, RoPE override applied, and its tokenizer.
+"""A checkpoint ready to run: model on its device and dtype, RoPE and extension overrides applied, and
+its tokenizer.
 
     ckpt, tokenizer = load_model("runs/default", device="auto", dtype="float32", rope={"scaling": "ntk", "factor": 8})
 
@@ -13,14 +14,20 @@ from data.tokenizer import Tokenizer
 from inference.checkpoint import LoadedCheckpoint, load_checkpoint
 from inference.device import resolve_device, resolve_dtype
 from inference.generation import GenerationError
+from model.extend import override_extend
 from model.rope import override_rope
 
 
 def load_model(
-    ckpt: str, device: str = "auto", dtype: str = "float32", rope: dict | None = None
+    ckpt: str,
+    device: str = "auto",
+    dtype: str = "float32",
+    rope: dict | None = None,
+    extend: dict | None = None,
 ) -> tuple[LoadedCheckpoint, Tokenizer]:
     """Checkpoint (file or run directory) -> model on `device` in `dtype`, with `rope` (a configs/rope
-    group's values) replacing the checkpoint's RoPE scaling when given, + its tokenizer."""
+    group's values) replacing the checkpoint's RoPE scaling and `extend` (a configs/extend group's)
+    its attention extension when given, + its tokenizer."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)  # before the (slow) load
     loaded = load_checkpoint(ckpt)
     tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
@@ -34,4 +41,6 @@ def load_model(
         print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
     loaded.model.to(device=torch_device, dtype=torch_dtype)
     loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
+    if extend is not None:
+        loaded.model.set_extend(override_extend(loaded.config.extend, extend, loaded.train_max_len))
     return loaded, tokenizer

@@ -81,7 +81,7 @@ def check_no_extension(cfg: ModelConfig, target: str) -> None:
     `target` (transformers' Llama, a GGUF file) has no way to express it."""
     if cfg.extend.method != "none":
         raise ExportError(
-            f"extend={cfg.extend.method} cannot be exported: {target} has no Self-Extend or log-n attention, "
+            f"extend={cfg.extend.method} cannot be exported: {target} cannot express Self-Extend or log-n attention, "
             "so the exported model would compute something else."
         )
 

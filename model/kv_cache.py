@@ -43,7 +43,11 @@ def cache_bytes(
     int64 slot positions."""
     buffers = 3 if grouped else 2
     extra = 8 * batch_size * capacity if grouped else 0
-    return buffers * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize + 8 * capacity + extra
+    return (
+        buffers * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize
+        + 8 * capacity
+        + extra
+    )
 
 
 class CacheFullError(ValueError):
@@ -79,9 +83,13 @@ class KVCache:
         # where a write into a view of a shared buffer is copied whole by inductor.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.k_grouped = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if grouped else None
+        self.k_grouped = (
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if grouped else None
+        )
         # (B, capacity) int64: the position of each slot's token (Self-Extend's distances)
-        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
+        self.positions = (
+            torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
+        )
         self.key_mask: torch.Tensor | None = None  # (B, capacity) bool; False marks padding slots
         self.seq_len = seq_len
         self.length = 0  # filled slots, a Python int so the decode loop never syncs with the device

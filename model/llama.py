@@ -104,8 +104,6 @@ class Attention(nn.Module):
             )
         else:
             q_grouped = rope.rotate(q, grouped[0], grouped[1])
-            if query_scale is not None:
-                q_grouped = q_grouped * query_scale
             y = merged_attention(q_rot, k_rot, q_grouped, k_grouped, v, near, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
@@ -238,7 +236,9 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + L, device=idx.device)
             seq_len = seq_len or start + L
         dtype = autocast_dtype(x)  # the dtype q and k will have
-        positions = self.positions(position_ids, dtype, seq_len, kv_cache, default=kv_cache is None and seq_len == L)
+        positions = self.positions(
+            position_ids, dtype, seq_len, kv_cache, default=kv_cache is None and seq_len == L
+        )
         x = self.hidden_states(x, positions, kv_cache, self._attention_mask(L, kv_cache, idx.device))
         if kv_cache is not None:
             kv_cache.advance(L)
@@ -277,7 +277,8 @@ class Llama(nn.Module):
             raise ValueError(
                 "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after set_extend."
             )
-        seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len  # the grouped ids use the same
+        # the grouped ids are rotated with the true ids' RoPE length (dynamic NTK's frequencies)
+        seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
         merge = not extend.plain_within(seq_len)
         if kv_cache is None and not merge:
             return Positions(cos, sin, query_scale)

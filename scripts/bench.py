@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/bench.py`
@@ -46,6 +47,7 @@ from kernels import use_kernels
 from kernels.cpu_decode import NativeStep
 from kernels.rope import apply_rotary
 from model.config import ModelConfig
+from model.extend import ExtendConfig
 from model.hf import hf_config_dict, to_hf_state_dict
 from model.kv_cache import KVCache
 from model.llama import Llama
@@ -70,6 +72,7 @@ DEFAULTS = dict(
     prompt_len=32,
     new_tokens=256,
     contexts=[128, 512, 1024, 2048, 4096],
+    extend_context=4096,  # Self-Extend on vs off: prefill of this many tokens and decode at this context
     latency_steps=128,  # timed one-token steps per context (cheap; more steps, steadier medians)
     latency_block=16,  # consecutive steps per context before the next context takes its turn
     rope_shape=[8, 8, 1024, 64],  # (B, H, L, D)
@@ -98,6 +101,7 @@ QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers ar
     prompt_len=8,
     new_tokens=8,
     contexts=[16, 64],
+    extend_context=96,  # past the default window (64): the merged attention runs
     latency_steps=3,
     rope_shape=[2, 2, 64, 16],
     matmul_n=256,
@@ -620,6 +624,61 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Pa
     )
 
 
+@torch.inference_mode()
+def bench_self_extend(cfg: ModelConfig, args: dict, device) -> dict:
+    """Our own cost of Self-Extend (model/extend.py, default window and group): prefill of
+    `extend_context` tokens through the KV cache, and one-token decode steps with that many tokens
+    cached (the cache rewound before each, as in bench_decode_latency), with the extension off and on,
+    same weights, eager and compiled decode (the C step does not implement it)."""
+    ctx, steps = args["extend_context"], args["latency_steps"]
+    dtype = compute_dtype(args, device)
+    torch.manual_seed(args["seed"])
+    off = Llama(cfg).to(device).eval().to(dtype)
+    extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
+    on = Llama(replace(cfg, extend=extend)).to(device).eval().to(dtype)
+    on.load_state_dict(off.state_dict())
+    models = {"off": off, "on": on}
+    prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)
+    caches = {side: KVCache.for_model(m, 1, ctx + 1, seq_len=ctx + 1) for side, m in models.items()}
+
+    def prefill(side: str) -> torch.Tensor:
+        caches[side].reset()
+        return models[side](prompt, kv_cache=caches[side])[:, -1:].argmax(-1)
+
+    seconds, errors = alternate(
+        {side: lambda s=side: prefill(s) for side in models}, args["repeats"], 1, device
+    )
+    paths = ["compiled"] * bool(args["compile_decode"]) + ["eager"]
+    positions = torch.arange(ctx + 1, device=device)[None]
+    steppers, tokens = {}, {}
+    for side, model in models.items():
+        first = prefill(side)
+        for path in paths:
+            steppers[side, path] = {"compiled": CompiledStep, "eager": EagerStep}[path](
+                model, caches[side], positions
+            )
+            tokens[side, path] = first
+
+    def step(key: tuple[str, str]) -> None:
+        caches[key[0]].rewind(ctx)  # every step attends over exactly ctx cached tokens + itself
+        tokens[key] = steppers[key](tokens[key]).argmax(-1, keepdim=True)
+
+    decode, decode_errors = alternate({key: lambda k=key: step(k) for key in steppers}, steps, 1, device)
+    timed = {"prefill": seconds} | {path: {s: decode[s, p] for s, p in decode if p == path} for path in paths}
+    return dict(
+        context=ctx,
+        window=extend.window,
+        group=extend.group,
+        prefill_tokens_per_s={side: ctx / s for side, s in seconds.items()},
+        decode_tokens_per_s={f"{side}_{path}": 1 / s for (side, path), s in decode.items()},
+        on_over_off={  # tokens/s with Self-Extend / without: < 1 = it costs that much (a side that failed: none)
+            what: s["off"] / s["on"] for what, s in timed.items() if s.keys() == {"off", "on"}
+        },
+        kv_cache_bytes={side: c.nbytes for side, c in caches.items()},
+        errors={**errors, **{f"{s}_{p}": e for (s, p), e in decode_errors.items()}},
+    )
+
+
 def rope_fns(
     B: int, H: int, L: int, D: int, peers: dict, device, dtype: torch.dtype
 ) -> dict[str, Callable[[], None]]:
@@ -770,6 +829,20 @@ def markdown(results: dict) -> str:
         cells = [f"{1000 * s[ctx]:.2f}" for s in columns.values()]
         cells += [f"{r[ctx]:.2f}x" for r in ratios_by_context.values()]
         lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+    se = results["self_extend"]
+    lines += [
+        "",
+        f"| Self-Extend (W={se['window']}, G={se['group']}) at context {se['context']} | off | on | on / off |",
+    ]
+    lines.append("|---|---|---|---|")
+    for what, ratio in se["on_over_off"].items():
+        rates = (
+            se["prefill_tokens_per_s"]
+            if what == "prefill"
+            else {side: se["decode_tokens_per_s"][f"{side}_{what}"] for side in ("off", "on")}
+        )
+        label = "prefill tok/s" if what == "prefill" else f"decode tok/s ({what})"
+        lines.append(f"| {label} | {fmt(rates['off'])} | {fmt(rates['on'])} | {ratio:.2f}x |")
     if "time_to_quality" in results:
         lines += [
             "",
@@ -780,7 +853,7 @@ def markdown(results: dict) -> str:
         met = "not measured" if t["met"] is None else "yes" if t["met"] else "no"
         lines.append(f"| {t['what']} | {fmt(t['value'])} | {t['target']} | {met} |")
     errors = {**results["peers_unavailable"]}
-    for section in (*results["train"], results["generate"], results["rope"]):
+    for section in (*results["train"], results["generate"], results["self_extend"], results["rope"]):
         errors |= {
             f"{side} ({section.get('shape', '')}{' compiled' if section.get('compile') else ''})": e
             for side, e in section["errors"].items()
@@ -824,7 +897,7 @@ def main(argv: list[str]) -> dict:
         for shape in args["shapes"]
         for c in ((False, True) if args["compile"] else (False,))
     ]
-    progress = Progress(4 + len(train_runs) + bool(args["ttq"]))
+    progress = Progress(5 + len(train_runs) + bool(args["ttq"]))
     default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
     progress("parity of the peers' logits and the matmul peak")
     parity_models = build_models(default_cfg, model_peers, device, 64, 0)
@@ -840,6 +913,8 @@ def main(argv: list[str]) -> dict:
     progress(f"decode latency at contexts {list(args['contexts'])}")
     results["decode_latency"] = bench_decode_latency(default_cfg, args, device, llama_cpp_dir)
     gguf_workdir.cleanup()
+    progress(f"Self-Extend on vs off at context {args['extend_context']}")
+    results["self_extend"] = bench_self_extend(default_cfg, args, device)
     progress("the RoPE op")
     results["rope"] = bench_rope(args, peers, device)
     results["train"] = []

@@ -15,8 +15,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from inference.checkpoint import LoadedCheckpoint
 from inference.cli import build
-from inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_rope
+from inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_extend, method_rope
 from inference.generation import check_integer
+from model.extend import ExtendConfig, override_extend
 from model.rope import override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +68,11 @@ def check_common(cfg: DictConfig) -> None:
     methods = option_list(cfg, "methods", "[none,yarn]")
     if not methods:
         raise ValueError(
-            "methods is empty; give e.g. methods=[none,yarn] (ckpt = the checkpoint's own RoPE)."
+            "methods is empty; give e.g. methods=[none,yarn,self_extend,yarn+logn] (ckpt = the checkpoint's own RoPE)."
         )
     for method in methods:
         check_method(str(method))
+    override_extend(ExtendConfig(), extend_options(cfg))  # a bad window or group fails before the load
     check_output_dir(str(cfg.out))
     if cfg.factor != "matched" and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
@@ -85,11 +87,31 @@ def train_length(ckpt: LoadedCheckpoint) -> int:
 
 
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
-    """The requested methods, plus `ckpt` when the checkpoint was trained with a RoPE scaling."""
+    """The requested methods, plus `ckpt` when the checkpoint was trained with a RoPE scaling or an
+    extension."""
     names = list(dict.fromkeys(str(m) for m in requested))  # de-duplicated, order kept
-    if ckpt.config.rope.scaling != "none" and CKPT_METHOD not in names:
+    trained_with = ckpt.config.rope.scaling != "none" or ckpt.config.extend.method != "none"
+    if trained_with and CKPT_METHOD not in names:
         names.append(CKPT_METHOD)
     return names
+
+
+def extend_options(cfg: DictConfig) -> dict:
+    """`extend_options`: the extension fields (window, group) set for every method that names an
+    extension; a null one keeps the checkpoint's value."""
+    options = OmegaConf.to_container(cfg.extend_options, resolve=True)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> dict:
+    """{method: ExtendConfig}: the extension each method runs with (the same at every length)."""
+    return {m: method_extend(ckpt.config.extend, m, train_length(ckpt), extend_options(cfg)) for m in methods}
+
+
+def with_largest_cache(model, extends: dict) -> None:
+    """Give `model` the extension of `extends` whose KV cache is the largest (Self-Extend's holds a
+    second key buffer), so a memory check made before the grid counts the most any method allocates."""
+    model.set_extend(max(extends.values(), key=lambda e: e.self_extend))
 
 
 def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:

@@ -34,9 +34,11 @@ from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION, first_integer, 
 from scripts.common import (
     CONFIGS,
     check_common,
+    method_extends,
     method_names,
     method_ropes,
     option_list,
+    with_largest_cache,
     write_csv,
 )
 
@@ -193,8 +195,10 @@ def run(cfg: DictConfig) -> list[dict]:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
-    check_memory(ckpt.model, cfg)
     methods = method_names(cfg.methods, ckpt)
+    extends = method_extends(cfg, ckpt, methods)
+    with_largest_cache(ckpt.model, extends)
+    check_memory(ckpt.model, cfg)
     rng = np.random.default_rng(cfg.seed)
     trials = []
     for length in tqdm(sorted(cfg.lengths), desc="passkey", unit="length"):
@@ -208,6 +212,7 @@ def run(cfg: DictConfig) -> list[dict]:
         rows = rows_per_forward(cfg.batch_tokens, length)
         for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
             ckpt.model.set_rope(rope)
+            ckpt.model.set_extend(extends[method])
             answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
             for depth, row in zip(prompt_depths, answered):
                 trials.append({"method": method, "length": length, "depth": depth, "factor": factor, **row})

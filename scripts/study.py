@@ -7,10 +7,10 @@
 Steps (each skipped when its output already exists, so a killed study resumes; a killed training
 continues from its checkpoints/last.ckpt with ckpt_path=last):
   1. train the base model at max_len 256 with rope=none          -> out/runs/base
-  2. evaluate every scaling method zero-shot                       -> out/eval/base
+  2. evaluate every scaling method and attention extension zero-shot -> out/eval/base
   3. fine-tune at 1024 with PI and with YaRN (experiment=extend_context), evaluate their own RoPE
   4. train a model with a larger RoPE base, evaluate it with `none`
-  5. passkey retrieval on the base and fine-tuned models
+  5. passkey retrieval on the base (scalings and Self-Extend) and fine-tuned models
   6. out/summary.md and out/summary.png: every model and method in one table and one plot
 Arguments after `--` go to every train.py run (e.g. data=... overrides). docs/extrapolation.md.
 """
@@ -32,7 +32,8 @@ from inference.cli import USER_ERRORS, one_sentence_errors
 from scripts.common import ROOT
 from scripts.eval_extrapolation import markdown_tables, plot_ppl_vs_length
 
-ZERO_SHOT = "[none,linear,ntk,dynamic_ntk,yarn,llama3]"
+# RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling
+ZERO_SHOT = "[none,linear,ntk,dynamic_ntk,yarn,llama3,self_extend,logn,yarn+logn,llama3+self_extend]"
 
 
 @dataclass
@@ -127,7 +128,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     if cfg.passkey:
         depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
         for name, ckpt, methods in [
-            ("base", base, "[none,ntk,dynamic_ntk,yarn]"),
+            ("base", base, "[none,ntk,dynamic_ntk,yarn,self_extend]"),
             *((n, c, "[ckpt]") for n, c in extended.items()),
         ]:
             step(f"passkey {name}", out / "passkey" / name / "passkey.csv",

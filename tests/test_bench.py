@@ -25,7 +25,7 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     run = quick_bench(f"precision={precision}", f"out={out}")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| target |" in run.stdout  # the markdown report
-    assert "5/5 training step, model=tiny, eager" in run.stderr  # progress, one line per section
+    assert "6/6 training step, model=tiny, eager" in run.stderr  # progress, one line per section
     r = json.loads(out.read_text())
 
     assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
@@ -66,6 +66,14 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
         == set(latency["ratio_by_context"])
         == {"llama.cpp"} & set(r["peers"])
     )
+
+    se = r["self_extend"]  # Self-Extend off vs on, same weights, prefill and eager decode (quick: no compile)
+    assert se["context"] == 96 and set(se["on_over_off"]) == {"prefill", "eager"} and not se["errors"]
+    assert math.isclose(
+        se["on_over_off"]["prefill"], se["prefill_tokens_per_s"]["on"] / se["prefill_tokens_per_s"]["off"]
+    )
+    assert se["kv_cache_bytes"]["on"] > se["kv_cache_bytes"]["off"]  # the grouped keys
+    assert "| Self-Extend (W=64, G=32) at context 96 |" in run.stdout
 
     rope = r["rope"]
     assert rope["calls_per_s"]["ours"] > 0

@@ -82,9 +82,13 @@ ROWS = [
             "start_pos must be an integer >= 0, got -1.", post="nothing printed"),
         # {RUN} has no saved training config: had the data been loaded first, the sentence would say so
         Row("eval-unknown-method", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[warp]", 2,
-            "Unknown method 'warp'; valid methods are none, linear, ", post="nothing written to out"),
+            "Unknown method 'warp'; a method is a RoPE method (none, linear, ", post="nothing written to out"),
         Row("passkey-zero-trials", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] trials=0", 2,
             "trials must be an integer >= 1, got 0.", post="nothing written to out"),
+        Row("eval-extend-group-zero", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=0", 2,
+            "extend group must be an integer >= 1 (a group size), got 0.", post="nothing written to out"),
+        Row("generate-extend-window-zero", GENERATE, "ckpt={RUN} prompt=ROMEO: extend=self_extend extend.window=0", 2,
+            "extend window must be an integer >= 1 (a number of positions), got 0.", post="nothing printed"),
     ),
     # the tiny model's KV cache takes 512 bytes per token: 10^9 tokens are 512 GB, 10^10 are 5 TB
     # (eval's 10^8 would be only 51 GB, which a large machine grants)

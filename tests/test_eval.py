@@ -102,6 +102,28 @@ def test_grid_writes_csv_markdown_and_plots(run_dir, tmp_path):
     assert curve[0]["start"] == "0" and curve[-1]["end"] == "128"
 
 
+def test_grid_composes_extensions_with_rope_scalings(run_dir, tmp_path):
+    """`self_extend` and `yarn+logn` in the grid: inside the window and the training length they are
+    exactly `none` and `yarn`; beyond, they change the numbers; the scaling keeps its matched factor."""
+    cfg = eval_cfg(
+        run_dir,
+        tmp_path,
+        f"lengths=[16,{4 * L0}]",
+        "methods=[none,yarn,self_extend,yarn+logn]",
+        "extend_options.window=16",
+        "extend_options.group=4",
+    )
+    eval_extrapolation.run(cfg)
+    rows = rows_by(tmp_path / "results.csv")
+    for metric in ("ppl", "tail_ppl"):
+        assert rows["self_extend", 16, metric]["value"] == rows["none", 16, metric]["value"]
+        assert rows["yarn+logn", 16, metric]["value"] == rows["yarn", 16, metric]["value"]
+        assert rows["self_extend", 4 * L0, metric]["value"] != rows["none", 4 * L0, metric]["value"]
+        assert rows["yarn+logn", 4 * L0, metric]["value"] != rows["yarn", 4 * L0, metric]["value"]
+    assert float(rows["yarn+logn", 4 * L0, "ppl"]["factor"]) == 4.0
+    assert float(rows["self_extend", 4 * L0, "ppl"]["factor"]) == 1.0
+
+
 def test_matched_and_fixed_factors(ckpt, run_dir, tmp_path):
     assert [matched_factor(t, 256) for t in (128, 256, 1024, 4096)] == [1.0, 1.0, 4.0, 16.0]
     matched = method_ropes(eval_cfg(run_dir, tmp_path), ckpt, ["yarn", "ntk"], 128)
@@ -341,16 +363,17 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
 
 def test_passkey_results_equal_with_and_without_batching(run_dir, tmp_path):
     """Every trial of the grid (answers, ranks, log-probs) is the same one prompt per forward
-    (batch_tokens=1) as with every prompt of a length in one forward."""
+    (batch_tokens=1) as with every prompt of a length in one forward, Self-Extend's merge included."""
     results = {}
     for batch_tokens in (1, 100_000):
         out = tmp_path / str(batch_tokens)
-        overrides = ("lengths=[48,100]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn]")
+        overrides = ("lengths=[48,100]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn,llama3+self_extend]",
+                     "extend_options.window=16", "extend_options.group=4")  # fmt: skip
         passkey.run(compose_script("passkey", run_dir, out, *overrides, f"batch_tokens={batch_tokens}"))
         with open(out / "trials.csv") as f:
             results[batch_tokens] = list(csv.DictReader(f))
     one, batched = results[1], results[100_000]
-    assert len(one) == len(batched) == 2 * 2 * 3 * 3
+    assert len(one) == len(batched) == 2 * 2 * 3 * 4
     for a, b in zip(one, batched):
         assert {k: v for k, v in a.items() if k != "key_logprob"} == {
             k: v for k, v in b.items() if k != "key_logprob"
@@ -398,7 +421,7 @@ def test_cli_errors_are_one_sentence(script, args, message, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("methods=[none,pi]", "Unknown method 'pi'; valid methods are none, linear, "),
+        ("methods=[none,pi]", "Unknown method 'pi'; a method is a RoPE method (none, linear, "),
         ("methods=yarn", "methods must be a list, e.g. methods=[none,yarn], got 'yarn'."),
         ("lengths=[64,1]", "lengths must be a non-empty list of integers >= 2, got [64, 1]."),
         ("lengths=64", "lengths must be a list, e.g. lengths=[256,1024], got 64."),
