@@ -169,13 +169,7 @@ def extended(rope: RopeConfig, extend: ExtendConfig, n_kv_heads: int = 2, vocab_
     return Llama(cfg).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not fight over a busy machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True, scope="module")
