@@ -99,9 +99,10 @@ def text_tokenizer(folder: Path) -> Tokenizer:
     return train_tokenizer([TEXT] * 4, vocab_size=300, path=str(folder / "tokenizer.json"))
 
 
-def tiny(vocab_size: int, rope: RopeConfig | None = None) -> Llama:
+def tiny(vocab_size: int, rope: RopeConfig | None = None, **overrides) -> Llama:
+    """A seeded 2-layer model; `overrides` are ModelConfig fields (e.g. extend, n_kv_heads, init_std)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(
+    fields = dict(
         vocab_size=vocab_size,
         d_model=64,
         n_layers=2,
@@ -110,7 +111,7 @@ def tiny(vocab_size: int, rope: RopeConfig | None = None) -> Llama:
         init_std=0.3,  # a sharp random model: greedy output is not one repeated token
         rope=rope or RopeConfig(original_max_len=L0),
     )
-    return Llama(cfg).eval()
+    return Llama(ModelConfig(**fields | overrides)).eval()
 
 
 def save_run(model: Llama, tok: Tokenizer, directory: Path) -> Path:

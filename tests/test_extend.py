@@ -27,7 +27,7 @@ from model.hf import ExportError
 from model.kv_cache import KVCache
 from model.llama import Llama
 from model.rope import RopeConfig
-from tests.helpers import L0, ROPES, TEXT, run_generate_main, save_run, text_tokenizer
+from tests.helpers import L0, ROPES, TEXT, run_generate_main, save_run, text_tokenizer, tiny
 
 
 def rotate_pair(x: torch.Tensor, position: int, base: float = 10000.0) -> torch.Tensor:
@@ -155,18 +155,7 @@ EXTENDS = {
 
 def extended(rope: RopeConfig, extend: ExtendConfig, n_kv_heads: int = 2, vocab_size: int = 97) -> Llama:
     """A tiny model whose random weights are sharp enough that an extension changes its logits visibly."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=vocab_size,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=n_kv_heads,
-        init_std=0.1,
-        rope=rope,
-        extend=extend,
-    )
-    return Llama(cfg).eval()
+    return tiny(vocab_size, rope, extend=extend, n_kv_heads=n_kv_heads, init_std=0.1)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
