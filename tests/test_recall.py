@@ -143,4 +143,4 @@ def test_experiment_composes(tmp_path):
     cfg = compose_train(["experiment=recall_base"], tmp_path / "run")
     assert cfg.data.recall.fraction > 0
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
-    assert (CONFIGS / "experiment" / "recall_base.yaml").read_text().count("UNTUNED") == 1
+    assert "NOT YET WORKING" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
