@@ -81,13 +81,29 @@ def answer_correct(generated: str, answer: int) -> bool:
     return first_integer(generated) == answer
 
 
+TASK_OPTIONS = {"passkey": {}, "multikey": {"keys": (1, len(NAMES))}, "vartrack": {"chains": (1, None), "hops": (0, None)}}
+
+
+def check_task_options(task: str, **options) -> None:
+    """One sentence for an unknown task, an option `task` does not take, or a value out of its range."""
+    if task not in TASK_OPTIONS:
+        raise ValueError(f"retrieval task {task!r} is unknown; allowed tasks are {list(TASKS)}.")
+    allowed = TASK_OPTIONS[task]
+    if unknown := sorted(set(options) - set(allowed)):
+        raise ValueError(f"{task} takes the options {sorted(allowed)}, not {unknown}.")
+    for name, value in options.items():
+        low, high = allowed[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+            span = f"in [{low}, {high}]" if high else f">= {low}"
+            raise ValueError(f"{name} must be an integer {span}, got {value!r}.")
+
+
 def build_prompt(
     task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, **options
 ) -> RetrievalPrompt:
     """The prompt of `task` (one of TASKS) with the task's options (multikey: keys; vartrack: chains, hops)."""
+    check_task_options(task, **options)
     builders = {"passkey": passkey_prompt, "multikey": multikey_prompt, "vartrack": vartrack_prompt}
-    if task not in builders:
-        raise ValueError(f"retrieval task {task!r} is unknown; allowed tasks are {list(TASKS)}.")
     return builders[task](tok, length, depth, rng, **options)
 
 
@@ -103,8 +119,7 @@ def multikey_prompt(
 ) -> RetrievalPrompt:
     """`keys` needles, each naming an animal and its own key; the question asks for the first, which
     sits at `depth`; the others go to uniformly random places in the filler."""
-    if isinstance(keys, bool) or not isinstance(keys, int) or not 1 <= keys <= len(NAMES):
-        raise ValueError(f"keys must be an integer in [1, {len(NAMES)}], got {keys!r}.")
+    check_task_options("multikey", keys=keys)
     names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
     values = random_keys(rng, keys)
     places = [_check_depth(depth), *rng.random(keys - 1)]
@@ -121,9 +136,7 @@ def vartrack_prompt(
     """`chains` variable chains of `hops` copies each; the question asks for the last variable of the
     first chain, whose value assignment sits at `depth` and whose copies follow it evenly spaced to
     the end. The other chains (distinct values) go to random places, each in its own order."""
-    for name, value, lowest in (("chains", chains, 1), ("hops", hops, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}.")
+    check_task_options("vartrack", chains=chains, hops=hops)
     depth = _check_depth(depth)
     names = _var_names(rng, chains * (hops + 1))
     values = random_keys(rng, chains)

@@ -1,18 +1,21 @@
-"""Passkey retrieval (Landmark attention, Mohtashami & Jaggi 2023) at lengths beyond training.
+"""Retrieval at lengths beyond training: passkey (Mohtashami & Jaggi 2023) and RULER's multi-key
+needle and variable tracking (Hsieh et al. 2024); the prompts are inference/retrieval.py's.
 
     python scripts/passkey.py ckpt=runs/base out=results/passkey lengths=[256,1024,4096] trials=5
+    python scripts/passkey.py ckpt=runs/base out=results/suite tasks=[passkey,multikey,vartrack]
 
-A 5-digit key is hidden at a given depth of repeated filler text, then the model is asked for it.
-Two scores per trial: greedy generation (the first integer in the output must be the key) and
-likelihood ranking (the key's continuation must be the most likely of `candidates` random keys).
-Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per method x length x
-depth) and passkey_<method>.png (length x depth heatmaps). Options: configs/passkey.yaml.
+Every prompt hides a 5-digit answer at a given depth of repeated filler text and asks for it. Two
+scores per trial: greedy generation (the first integer in the output must be the answer) and
+likelihood ranking (the answer's continuation must be the most likely of `candidates` random keys).
+Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per task x method x length
+x depth), accuracy.csv (per task x method x length over all depths, with Wilson 95% intervals),
+<task>_<method>.png (length x depth heatmaps) and <task>_vs_length.png (accuracy vs length per
+method). Options: configs/passkey.yaml.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
@@ -30,7 +33,8 @@ from inference.evaluation import continuation_logprobs, forward_groups, rows_per
 from inference.generation import GREEDY, check_integer, generate, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
-from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION, first_integer, random_keys
+from inference.retrieval import TASKS, RetrievalPrompt, build_prompt, check_task_options, first_integer, random_keys
+from inference.stats import wilson_interval
 from scripts.common import (
     CONFIGS,
     check_common,
@@ -46,29 +50,6 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 
-@dataclass(frozen=True)
-class PasskeyPrompt:
-    tokens: list[int]  # bos + intro + filler... + needle + filler... + question
-    key: int
-    needle_start: int  # token index where the needle sentence begins
-    depth: float  # realised depth: filler repetitions before the needle / all repetitions
-
-
-def build_prompt(tok: Tokenizer, length: int, depth: float, key: int) -> PasskeyPrompt:
-    """A prompt of about `length` tokens (never more, unless the fixed parts alone are longer) with
-    the needle after round(depth * repetitions) of the filler. Pieces are tokenized separately and
-    concatenated, so the needle's token position is exact."""
-    if not 0 <= depth <= 1:
-        raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {depth}.")
-    intro, filler, question = tok.encode(INTRO), tok.encode(FILLER), tok.encode(QUESTION)
-    needle = tok.encode(NEEDLE.format(key=key))
-    fixed = 1 + len(intro) + len(needle) + len(question)
-    repeats = max(0, (length - fixed) // len(filler))
-    before = round(depth * repeats)
-    tokens = [tok.bos_id, *intro, *filler * before, *needle, *filler * (repeats - before), *question]
-    return PasskeyPrompt(tokens, key, 1 + len(intro) + before * len(filler), before / max(repeats, 1))
-
-
 def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: int) -> list[list[int]]:
     """The continuations the ranking compares: the true key first, then count - 1 random decoys."""
     return [tok.encode(f" {k}") for k in (key, *random_keys(rng, count - 1, exclude=key))]
@@ -77,7 +58,7 @@ def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: 
 def answer_prompts(
     model,
     tok: Tokenizer,
-    prompts: list[PasskeyPrompt],
+    prompts: list[RetrievalPrompt],
     candidates: list[list[list[int]]],
     max_new_tokens: int,
     rows: int,
@@ -106,9 +87,9 @@ def answer_prompts(
             {
                 "tokens": len(p.tokens),
                 "depth_real": p.depth,
-                "key": p.key,
+                "key": p.answer,
                 "answer": answer,
-                "greedy_correct": int(first_integer(answer) == p.key),
+                "greedy_correct": int(first_integer(answer) == p.answer),
                 "rank_correct": int(rank == 1),
                 "key_rank": rank,
                 "key_logprob": key_logprob,
@@ -117,47 +98,76 @@ def answer_prompts(
     return out_rows
 
 
-def accuracy_table(trials: list[dict]) -> list[dict]:
-    """Mean greedy and ranking accuracy per (method, length, depth)."""
+def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
+    """Greedy and ranking accuracy of the trials grouped by the keys `by` (in first-seen order), with
+    the Wilson 95% interval of the greedy accuracy."""
     cells: dict[tuple, list[dict]] = {}
     for t in trials:
-        cells.setdefault((t["method"], t["length"], t["depth"], t["factor"]), []).append(t)
-    return [
-        {
-            "method": m,
-            "length": length,
-            "depth": d,
-            "factor": f,
-            "trials": len(rows),
-            "greedy_acc": float(np.mean([r["greedy_correct"] for r in rows])),
-            "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
-        }
-        for (m, length, d, f), rows in cells.items()
-    ]
+        cells.setdefault(tuple(t[k] for k in by), []).append(t)
+    table = []
+    for key, rows in cells.items():
+        correct = sum(r["greedy_correct"] for r in rows)
+        low, high = wilson_interval(correct, len(rows))
+        table.append(
+            {
+                **dict(zip(by, key)),
+                "trials": len(rows),
+                "greedy_acc": correct / len(rows),
+                "greedy_low": low,
+                "greedy_high": high,
+                "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
+            }
+        )
+    return table
 
 
-def plot_heatmaps(table: list[dict], method: str, chance: float, path: Path) -> None:
-    """Accuracy heatmaps (rows lengths, columns depths): greedy and likelihood ranking."""
-    sel = [r for r in table if r["method"] == method]
-    lengths, depths = sorted({r["length"] for r in sel}), sorted({r["depth"] for r in sel})
+def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> None:
+    """Accuracy heatmaps of one task and method (rows lengths, columns depths): greedy and ranking."""
+    lengths, depths = sorted({r["length"] for r in table}), sorted({r["depth"] for r in table})
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.5 * len(lengths) + 2.5))
-    for ax, (key, title) in zip(
-        axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]
-    ):
+    for ax, (key, kind) in zip(axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]):
         grid = np.array(
             [
-                [next(r[key] for r in sel if r["length"] == t and r["depth"] == d) for d in depths]
+                [next(r[key] for r in table if r["length"] == t and r["depth"] == d) for d in depths]
                 for t in lengths
             ]
         )
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths)
-        ax.set(xlabel="depth", ylabel="length (tokens)", title=f"{method}: {title}")
+        ax.set(xlabel="depth", ylabel="length (tokens)", title=f"{title}: {kind}")
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.0%}", ha="center", va="center", color="white" if v < 0.5 else "black")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_vs_length(table: list[dict], task: str, path: Path) -> None:
+    """Greedy accuracy vs prompt length, one line per method, shaded by its Wilson 95% interval."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in table):
+        rows = sorted((r for r in table if r["method"] == method), key=lambda r: r["length"])
+        lengths = [r["length"] for r in rows]
+        ax.plot(lengths, [r["greedy_acc"] for r in rows], marker="o", label=method)
+        ax.fill_between(lengths, [r["greedy_low"] for r in rows], [r["greedy_high"] for r in rows], alpha=0.15)
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="greedy accuracy", ylim=(-0.02, 1.02))
+    ax.set_xticks(sorted({r["length"] for r in table}), labels=sorted({r["length"] for r in table}))
+    ax.set_title(f"{task}: accuracy vs length (bands: Wilson 95%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def task_options(cfg: DictConfig) -> dict[str, dict]:
+    """{task: its options from `task_options`} for the tasks to run, checked before the model loads."""
+    tasks = option_list(cfg, "tasks", "[passkey,multikey]")
+    if len(set(tasks)) < len(tasks):
+        raise ValueError(f"tasks lists a task twice: {tasks}.")
+    options = {t: dict(cfg.task_options.get(t) or {}) if t in TASKS else {} for t in tasks}
+    for task, opts in options.items():
+        check_task_options(task, **opts)
+    return options
 
 
 def check_memory(model, cfg: DictConfig) -> None:
@@ -178,10 +188,20 @@ def check_memory(model, cfg: DictConfig) -> None:
     )
     prompt_lists = 8 * prompts * longest  # a list slot per token; the filler's ints are shared objects
     what = (
-        f"answering {prompts} passkey prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
+        f"answering {prompts} retrieval prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
     )
     knob = "lengths, trials or batch_tokens" if rows > 1 else "lengths or trials"
     check_fits(nbytes + prompt_lists, what, knob, model.embed.weight.device)
+
+
+def task_prompts(
+    cfg: DictConfig, tok: Tokenizer, task: str, options: dict, length: int, depth: float
+) -> tuple[list[RetrievalPrompt], list[list[list[int]]]]:
+    """`trials` prompts of one cell and their ranking candidates, a pure function of (seed, task,
+    length, depth): the same for every method, and unchanged by which other tasks run."""
+    rng = np.random.default_rng([cfg.seed, TASKS.index(task), length, round(depth * 100)])
+    prompts = [build_prompt(task, tok, length, depth, rng, **options) for _ in range(cfg.trials)]
+    return prompts, [candidate_tokens(tok, p.answer, rng, cfg.candidates) for p in prompts]
 
 
 @torch.inference_mode()
@@ -190,6 +210,7 @@ def run(cfg: DictConfig) -> list[dict]:
     check_integer("trials", cfg.trials, 1)
     check_integer("candidates", cfg.candidates, 2)
     check_integer("max_new_tokens", cfg.max_new_tokens, 1)
+    tasks = task_options(cfg)
     depths = option_list(cfg, "depths", "[0,0.5,1]")
     for d in depths:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
@@ -199,42 +220,47 @@ def run(cfg: DictConfig) -> list[dict]:
     extends = method_extends(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, extends)
     check_memory(ckpt.model, cfg)
-    rng = np.random.default_rng(cfg.seed)
     trials = []
-    for length in tqdm(sorted(cfg.lengths), desc="passkey", unit="length"):
-        prompt_depths, prompts, candidates = [], [], []  # the same prompts and decoys for every method
+    cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
+    for length, task in tqdm(cells, desc="retrieval", unit="length x task"):
+        prompt_depths, prompts, candidates = [], [], []
         for depth in depths:
-            decoy_rng = np.random.default_rng([cfg.seed, length, round(depth * 100)])
-            for key in random_keys(rng, cfg.trials):
-                prompt_depths.append(depth)
-                prompts.append(build_prompt(tok, length, depth, key))
-                candidates.append(candidate_tokens(tok, key, decoy_rng, cfg.candidates))
+            cell_prompts, cell_candidates = task_prompts(cfg, tok, task, tasks[task], length, depth)
+            prompt_depths += [depth] * len(cell_prompts)
+            prompts += cell_prompts
+            candidates += cell_candidates
         rows = rows_per_forward(cfg.batch_tokens, length)
         for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
             ckpt.model.set_rope(rope)
             ckpt.model.set_extend(extends[method])
             answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
             for depth, row in zip(prompt_depths, answered):
-                trials.append({"method": method, "length": length, "depth": depth, "factor": factor, **row})
+                trials.append(
+                    {"task": task, "method": method, "length": length, "depth": depth, "factor": factor, **row}
+                )
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = accuracy_table(trials)
+    cells_table = accuracy_table(trials, ("task", "method", "length", "depth", "factor"))
+    by_length = accuracy_table(trials, ("task", "method", "length", "factor"))
     write_csv(out / "trials.csv", trials)
-    write_csv(out / "passkey.csv", table)
+    write_csv(out / "passkey.csv", cells_table)
+    write_csv(out / "accuracy.csv", by_length)
     chance = 1 / cfg.candidates
-    for method in methods:
-        plot_heatmaps(table, method, chance, out / f"passkey_{method}.png")
-        rows = [r for r in table if r["method"] == method]
-        print(
-            f"{method:>12}: greedy {np.mean([r['greedy_acc'] for r in rows]):.0%}, "
-            f"ranking {np.mean([r['rank_acc'] for r in rows]):.0%} over all cells"
-        )
+    for task in tasks:
+        plot_vs_length([r for r in by_length if r["task"] == task], task, out / f"{task}_vs_length.png")
+        for method in methods:
+            cell_rows = [r for r in cells_table if r["task"] == task and r["method"] == method]
+            plot_heatmaps(cell_rows, f"{task}, {method}", chance, out / f"{task}_{method}.png")
+            print(
+                f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%}, "
+                f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells"
+            )
     print(
-        f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit key). "
-        f"Wrote {out}/trials.csv, passkey.csv, passkey_<method>.png"
+        f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit answer). "
+        f"Wrote {out}/trials.csv, passkey.csv, accuracy.csv, <task>_<method>.png, <task>_vs_length.png"
     )
-    return table
+    return cells_table
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="passkey")

@@ -97,7 +97,7 @@ ROWS = [
             "Generating 1,000,000,000 tokens after 1 prompt ... may be used (80% of the",
             post="nothing printed"),
         Row("passkey-ten-million-tokens", PASSKEY, "ckpt={RUN} out={OUT} lengths=[10000000] device=cpu", 2,
-            "passkey prompt ... of 10,000,000 tokens ... may be used (80% of the",
+            "retrieval prompt ... of 10,000,000 tokens ... may be used (80% of the",
             post="nothing written to out"),
         Row("eval-ten-billion-tokens", EVAL, "ckpt={RUN} out={OUT} lengths=[10000000000] device=cpu", 2,
             "Scoring ... 10,000,000,000 tokens ... may be used (80% of the", post="nothing written to out"),

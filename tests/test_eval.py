@@ -30,6 +30,7 @@ from inference.evaluation import (
 )
 from inference.generation import check_scoring, score_tokens
 from inference.memory import MemoryBudgetError
+from inference.retrieval import build_prompt, first_integer
 from model.config import ModelConfig
 from model.llama import Llama
 from model.rope import RopeConfig
@@ -290,34 +291,17 @@ def tok(ckpt):
     return Tokenizer.from_file(str(ckpt.tokenizer_file()))
 
 
-@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
-def test_passkey_prompt_puts_the_key_at_the_depth(tok, depth):
-    p = passkey.build_prompt(tok, 3000, depth, 71432)
-    needle = tok.encode(passkey.NEEDLE.format(key=71432))
-    assert p.tokens[p.needle_start : p.needle_start + len(needle)] == needle
-    assert p.tokens[0] == tok.bos_id and 3000 - len(tok.encode(passkey.FILLER)) < len(p.tokens) <= 3000
-    filler_start = 1 + len(tok.encode(passkey.INTRO))
-    filler_tokens = len(p.tokens) - filler_start - len(needle) - len(tok.encode(passkey.QUESTION))
-    assert (p.needle_start - filler_start) / filler_tokens == pytest.approx(depth, abs=0.05)
-    text = tok.decode(p.tokens, skip_special_tokens=True)
-    intro_end, question_start = len(passkey.INTRO), text.rindex(passkey.QUESTION.strip())
-    char_depth = (text.index("The pass key is 71432") - intro_end) / (
-        question_start - intro_end - len(passkey.NEEDLE)
-    )
-    assert char_depth == pytest.approx(depth, abs=0.05)
-    assert text.endswith("The pass key is")
-
-
 def test_first_integer():
-    assert passkey.first_integer(" 71432.") == 71432
-    assert passkey.first_integer("key is 07143") == 7143
-    assert passkey.first_integer("none") is None
-    assert passkey.first_integer("") is None
+    assert first_integer(" 71432.") == 71432
+    assert first_integer("key is 07143") == 7143
+    assert first_integer("none") is None
+    assert first_integer("") is None
 
 
 def test_ranking_shares_one_prefill_and_matches_scoring(ckpt, tok):
-    prompt = passkey.build_prompt(tok, 80, 0.5, 12345).tokens
-    candidates = [tok.encode(f" {k}") for k in (12345, 99999, 4)]
+    p = build_prompt("passkey", tok, 200, 0.5, np.random.default_rng(0))
+    prompt = p.tokens
+    candidates = [tok.encode(f" {k}") for k in (p.answer, 99999, 4)]
     [ranked] = continuation_logprobs(ckpt.model, [prompt], [candidates])
     for cand, score in zip(candidates, ranked):
         reference = -float(score_tokens(ckpt.model, torch.tensor(prompt + cand), 64)[-len(cand) :].sum())
@@ -337,11 +321,8 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
     model = load_checkpoint(run_dir).model  # its own copy: the RoPE is replaced
     model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
     rng = np.random.default_rng(0)
-    prompts = [
-        passkey.build_prompt(tok, length, 0.5, key)
-        for length, key in ((200, 12345), (320, 67890), (260, 24680))
-    ]
-    candidates = [passkey.candidate_tokens(tok, p.key, rng, 4) + [tok.encode(" 7")] for p in prompts]
+    prompts = [build_prompt(task, tok, length, 0.5, rng) for task, length in (("passkey", 200), ("multikey", 400), ("passkey", 260))]
+    candidates = [passkey.candidate_tokens(tok, p.answer, rng, 4) + [tok.encode(" 7")] for p in prompts]
     assert len({len(p.tokens) for p in prompts}) == 3  # really padded
     batched = passkey.answer_prompts(model, tok, prompts, candidates, max_new_tokens=6, rows=3)
     alone = [
@@ -367,7 +348,7 @@ def test_passkey_results_equal_with_and_without_batching(run_dir, tmp_path):
     results = {}
     for batch_tokens in (1, 100_000):
         out = tmp_path / str(batch_tokens)
-        overrides = ("lengths=[48,100]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn,llama3+self_extend]",
+        overrides = ("lengths=[200,260]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn,llama3+self_extend]",
                      "extend_options.window=16", "extend_options.group=4")  # fmt: skip
         passkey.run(compose_script("passkey", run_dir, out, *overrides, f"batch_tokens={batch_tokens}"))
         with open(out / "trials.csv") as f:
@@ -382,18 +363,51 @@ def test_passkey_results_equal_with_and_without_batching(run_dir, tmp_path):
         assert a["rank_correct"] == str(int(a["key_rank"] == "1"))
 
 
-def test_passkey_grid_writes_csv_and_heatmaps(run_dir, tmp_path, capsys):
+def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, capsys):
     cfg = compose_script(
-        "passkey", run_dir, tmp_path, "lengths=[64,128]", "depths=[0,1]", "trials=2", "methods=[none,yarn]"
-    )
+        "passkey", run_dir, tmp_path, "lengths=[320,400]", "depths=[0,1]", "trials=2", "methods=[none,yarn]",
+        "tasks=[passkey,multikey]", "task_options.multikey.keys=2",
+    )  # fmt: skip
     table = passkey.run(cfg)
-    assert len(table) == 2 * 2 * 2 and all(r["trials"] == 2 for r in table)
+    assert len(table) == 2 * 2 * 2 * 2 and all(r["trials"] == 2 for r in table)
     with open(tmp_path / "trials.csv") as f:
         trials = list(csv.DictReader(f))
-    assert len(trials) == 2 * 2 * 2 * 2 and {t["method"] for t in trials} == {"none", "yarn"}
-    assert {t["factor"] for t in trials if t["method"] == "yarn" and t["length"] == "128"} == {"4.0"}
-    assert (tmp_path / "passkey_yarn.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(trials) == 2 * 2 * 2 * 2 * 2 and {t["method"] for t in trials} == {"none", "yarn"}
+    assert {t["task"] for t in trials} == {"passkey", "multikey"}
+    assert {t["factor"] for t in trials if t["method"] == "yarn" and t["length"] == "320"} == {str(320 / L0)}
+    with open(tmp_path / "accuracy.csv") as f:
+        by_length = list(csv.DictReader(f))
+    assert len(by_length) == 2 * 2 * 2 and all(r["trials"] == "4" for r in by_length)
+    for r in by_length:  # every greedy accuracy sits inside its Wilson interval, which is never empty
+        assert float(r["greedy_low"]) <= float(r["greedy_acc"]) <= float(r["greedy_high"])
+        assert float(r["greedy_high"]) - float(r["greedy_low"]) > 0.2  # 4 trials: a wide interval
+    for name in ("passkey_yarn", "multikey_none", "passkey_vs_length", "multikey_vs_length"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Chance: ranking 10%" in capsys.readouterr().out
+
+
+def test_suite_prompts_do_not_depend_on_the_other_tasks(run_dir, tmp_path):
+    """A task's prompts are a function of (seed, task, length, depth): running it alone or beside
+    another task gives the same keys."""
+    keys = {}
+    for i, tasks in enumerate(("[multikey]", "[passkey,multikey]")):
+        out = tmp_path / str(i)
+        passkey.run(compose_script("passkey", run_dir, out, "lengths=[400]", "depths=[0.5]", "trials=3",
+                                   "methods=[none]", f"tasks={tasks}", "max_new_tokens=1"))  # fmt: skip
+        with open(out / "trials.csv") as f:
+            keys[tasks] = [r["key"] for r in csv.DictReader(f) if r["task"] == "multikey"]
+    assert keys["[multikey]"] == keys["[passkey,multikey]"] and len(keys["[multikey]"]) == 3
+
+
+def test_suite_refuses_unknown_tasks_and_options_before_loading(tmp_path):
+    for overrides, message in (
+        (["tasks=[needle]"], "retrieval task 'needle' is unknown"),
+        (["tasks=[passkey,passkey]"], "tasks lists a task twice"),
+        (["tasks=[multikey]", "task_options.multikey.keys=99"], r"keys must be an integer in \[1, 16\]"),
+        (["tasks=[vartrack]", "+task_options.vartrack.depth=2"], r"vartrack takes the options \['chains', 'hops'\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            passkey.run(compose_script("passkey", tmp_path / "missing", tmp_path / "out", *overrides))
 
 
 # ----------------------------------------------------------------------------- command lines

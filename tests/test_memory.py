@@ -176,7 +176,7 @@ def test_passkey_refuses_ten_million_tokens_before_building_a_prompt(model_and_r
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(
-        "error: Answering 25 passkey prompts of 10,000,000 tokens (1 per forward) needs "
+        "error: Answering 25 retrieval prompts of 10,000,000 tokens (1 per forward) needs "
     )
     assert "TiB but at most " in proc.stderr and proc.stderr.endswith("; lower lengths or trials.\n")
     assert proc.stderr.count("\n") == 1 and not out.exists()

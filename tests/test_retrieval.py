@@ -8,14 +8,17 @@ import pytest
 
 from data.tokenizer import Tokenizer, train_tokenizer
 from inference.retrieval import (
+    FILLER,
+    INTRO,
     MULTIKEY_NEEDLE,
+    NEEDLE,
+    QUESTION,
     NAMES,
     TASKS,
     VAR_VALUE,
     answer_correct,
     build_prompt,
 )
-from scripts.passkey import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import small_corpus
 
 LENGTHS = (512, 1024, 2048)  # the shortest fits two chains of four assignments (vartrack)
@@ -130,6 +133,10 @@ def test_task_options_and_errors(tok):
         build_prompt("vartrack", tok, 128, 0.5, rng)
     with pytest.raises(ValueError, match="keys must be an integer in"):
         build_prompt("multikey", tok, 512, 0.5, rng, keys=0)
+    with pytest.raises(ValueError, match=r"passkey takes the options \[\], not \['keys'\]"):
+        build_prompt("passkey", tok, 512, 0.5, rng, keys=2)
+    with pytest.raises(ValueError, match="hops must be an integer >= 0"):
+        build_prompt("vartrack", tok, 512, 0.5, rng, hops=-1)
 
 
 @pytest.mark.parametrize(
