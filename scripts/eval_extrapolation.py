@@ -5,8 +5,9 @@
     python scripts/eval_extrapolation.py ckpt=runs/pi out=results/pi methods=[ckpt] sliding_stride=128
 
 Writes to `out`: results.csv (method x length x metric, with 95% bootstrap intervals), results.md
-(one table per metric), curves.csv (bucketed loss vs position), ppl_vs_length.png and
-loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation.md.
+(one table per metric), windows.csv (every window's mean loss per method and length: the units that
+paired comparisons between methods use), curves.csv (bucketed loss vs position), ppl_vs_length.png
+and loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation.md.
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ def metric_row(name: str, per_window: torch.Tensor, owners: torch.Tensor, cfg: D
     }
 
 
-def evaluate_grid(cfg: DictConfig, ckpt, extends: dict, documents: list) -> tuple[list[dict], list[dict]]:
-    """Every (length, method) cell on the same documents -> (results rows, curve rows).
+def evaluate_grid(
+    cfg: DictConfig, ckpt, extends: dict, documents: list
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows).
     extends: {method: its ExtendConfig} (`method_extends`), in the order of the methods."""
     train_len = train_length(ckpt)
     methods = list(extends)
-    rows, curves = [], []
+    rows, curves, per_window = [], [], []
     cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
     windows = {}
     for length, method in tqdm(cells, desc="eval", unit="cell"):
@@ -103,7 +106,22 @@ def evaluate_grid(cfg: DictConfig, ckpt, extends: dict, documents: list) -> tupl
             rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
         for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
             curves.append({**keys, "start": start, "end": end, "loss": loss})
-    return rows, curves
+        first = {
+            int(d): i for i, d in reversed(list(enumerate(owners.tolist())))
+        }  # a document's first window
+        for i, (doc, loss, tail) in enumerate(
+            zip(owners.tolist(), losses.mean(1), losses[:, -train_len:].mean(1))
+        ):
+            per_window.append(
+                {
+                    **keys,
+                    "document": doc,
+                    "window": i - first[doc],
+                    "loss": float(loss),
+                    "tail_loss": float(tail),
+                }
+            )
+    return rows, curves, per_window
 
 
 def fmt(value: float) -> str:
@@ -188,7 +206,7 @@ def run(cfg: DictConfig) -> list[dict]:
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
         check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
-    rows, curves = evaluate_grid(cfg, ckpt, extends, documents)
+    rows, curves, per_window = evaluate_grid(cfg, ckpt, extends, documents)
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,11 +225,14 @@ def run(cfg: DictConfig) -> list[dict]:
     print(note.split("\n\n", 1)[1])
     write_csv(out / "results.csv", rows, CSV_FIELDS)
     write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
+    write_csv(out / "windows.csv", per_window)
     (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
     plot_ppl_vs_length(rows, train_len, out / "ppl_vs_length.png")
     plot_loss_vs_position(curves, train_len, out / "loss_vs_position.png")
     print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
-    print(f"Wrote {out}/results.csv, results.md, curves.csv, ppl_vs_length.png, loss_vs_position.png")
+    print(
+        f"Wrote {out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"
+    )
     return rows
 
 

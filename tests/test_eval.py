@@ -98,6 +98,14 @@ def test_grid_writes_csv_markdown_and_plots(run_dir, tmp_path):
     assert "| none |" in md and "| 16 | 32 | 128 |" in md
     for png in ("ppl_vs_length.png", "loss_vs_position.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(tmp_path / "windows.csv") as f:  # the per-window units whose mean is each ppl
+        windows = list(csv.DictReader(f))
+    for (method, length, metric), r in rows.items():
+        cell = [w for w in windows if w["method"] == method and int(w["length"]) == length]
+        assert len(cell) == int(r["n_windows"]) and len({(w["document"], w["window"]) for w in cell}) == len(cell)
+        if metric in ("ppl", "tail_ppl"):
+            column = "loss" if metric == "ppl" else "tail_loss"
+            assert np.mean([float(w[column]) for w in cell]) == pytest.approx(float(r["loss"]), abs=1e-5)
     with open(tmp_path / "curves.csv") as f:
         curve = [r for r in csv.DictReader(f) if r["method"] == "none" and r["length"] == "128"]
     assert curve[0]["start"] == "0" and curve[-1]["end"] == "128"
