@@ -1,17 +1,22 @@
 """The RoPE extrapolation study, end to end, as subprocesses of the real entry points (resumable).
 
-    python scripts/study.py out=runs/study                      # ~90 min on a 2-core CPU
-    python scripts/study.py out=runs/study base_ckpt=runs/base large_base_ckpt=runs/base500k
+    python scripts/study.py out=runs/study                      # seeds=3, two corpora (docs/extrapolation.md)
+    python scripts/study.py out=runs/study seeds=1 corpora=[own]
     python scripts/study.py out=/tmp/smoke smoke=true -- data.cache_dir=/tmp/cache   # minutes, tiny model
 
 Steps (each skipped when its output already exists, so a killed study resumes; a killed training
 continues from its checkpoints/last.ckpt with ckpt_path=last):
-  1. train the base model at max_len 256 with rope=none          -> out/runs/base
-  2. evaluate every scaling method and attention extension zero-shot -> out/eval/base
-  3. fine-tune at 1024 with PI and with YaRN (experiment=extend_context), evaluate their own RoPE
-  4. train a model with a larger RoPE base, evaluate it with `none`
-  5. passkey retrieval on the base (scalings and Self-Extend) and fine-tuned models
-  6. out/summary.md and out/summary.png: every model and method in one table and one plot
+  1. train `seeds` base models at max_len 256 with rope=none and the `recipe` experiment
+     (recall_base: a model that retrieves)                        -> out/runs/base_s<k>
+  2. evaluate every scaling method and attention extension zero-shot on each corpus
+     (own = the held-out split of the training data; kjv = the King James Bible's test books)
+                                                                   -> out/eval/<corpus>/base_s<k>
+  3. fine-tune base_s0 at 1024 with PI and with YaRN (experiment=extend_context), evaluate their own RoPE
+  4. train a model with a larger RoPE base (seed 0), evaluate it with `none`
+  5. the retrieval suite (passkey, multi-key, variable tracking) on every base and fine-tuned model
+  6. out/summary.md: per corpus, mean and across-seed range per method and length; paired
+     comparisons (bootstrap over documents x seeds, or prompts' depths x seeds) marking the
+     significant orderings; retrieval accuracy with Wilson 95% intervals; plots beside it.
 Arguments after `--` go to every train.py run (e.g. data=... overrides). docs/extrapolation.md.
 """
 
@@ -20,33 +25,48 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
 
+import matplotlib
+import numpy as np
 from omegaconf import OmegaConf
 
 from inference.checkpoint import resolve_checkpoint
 from inference.cli import USER_ERRORS, one_sentence_errors
+from inference.retrieval import TASKS
+from inference.stats import pairwise_markdown, pairwise_table, wilson_interval
 from scripts.common import ROOT
-from scripts.eval_extrapolation import markdown_tables, plot_ppl_vs_length
+from scripts.eval_extrapolation import fmt
+from scripts.passkey import plot_vs_length
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 # RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling
 ZERO_SHOT = "[none,linear,ntk,dynamic_ntk,yarn,llama3,self_extend,logn,yarn+logn,llama3+self_extend]"
+RETRIEVAL_METHODS = "[none,ntk,dynamic_ntk,yarn,llama3,self_extend]"
 
 
 @dataclass
 class StudyConfig:
     out: str = "runs/study"
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
-    base_ckpt: str | None = None  # reuse a trained base model (run dir or .ckpt) instead of step 1
+    seeds: int = 3  # base models trained with seeds 0..seeds-1 (seed, data order and recall data differ)
+    recipe: str | None = "recall_base"  # experiment= for the base models; null = the default job
+    corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
+    base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
     large_base: float = 500000.0
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
     max_windows: int = 4
-    passkey: bool = True
-    passkey_trials: int = 3
+    retrieval: bool = True
+    retrieval_tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    retrieval_lengths: list[int] | None = None  # null = lengths
+    retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
     threads: int | None = None  # torch threads for the evaluations (null = torch's default)
 
 
@@ -56,6 +76,7 @@ SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.ma
 SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
+SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hundred tokens with a tiny BPE
 TRAINED = "study_trained"  # marker file in a run directory: its training finished
 
 
@@ -72,32 +93,190 @@ def step(name: str, done: Path, command: list[str], touch_done: bool = False) ->
         done.touch()
 
 
-def read_results(path: Path, model: str) -> list[dict]:
-    """results.csv rows with numbers parsed and the method renamed `<model>/<method>`."""
+def read_csv(path: Path, **extra) -> list[dict]:
+    """CSV rows with numeric fields parsed and `extra` columns added."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    numeric = ("value", "ci_low", "ci_high")
-    return [
-        {
-            **r,
-            **{k: float(r[k]) for k in numeric},
-            "length": int(r["length"]),
-            "method": f"{model}/{r['method']}",
-        }
-        for r in rows
+    for r in rows:
+        for k, v in r.items():
+            try:
+                r[k] = int(v) if v.lstrip("-").isdigit() else float(v)
+            except ValueError:
+                pass
+        r.update(extra)
+    return rows
+
+
+# ----------------------------------------------------------------------------- perplexity tables
+
+
+def seed_table(windows: list[dict], corpus: str) -> str:
+    """Markdown: perplexity per model/method (rows) and length (columns) as the mean over seeds of
+    each seed's perplexity, with the range over seeds when there are several; best mean in bold."""
+    per_seed = defaultdict(list)  # (model/method, length, seed) -> window losses
+    for w in windows:
+        per_seed[w["model"] + "/" + w["method"], w["length"], w["seed"]].append(w["loss"])
+    cells = defaultdict(list)  # (row, length) -> one perplexity per seed
+    for (row, length, _), losses in per_seed.items():
+        cells[row, length].append(float(np.exp(np.mean(losses))))
+    rows = list(dict.fromkeys(r for r, _ in cells))
+    lengths = sorted({t for _, t in cells})
+    best = {t: min(np.mean(cells[r, t]) for r in rows if (r, t) in cells) for t in lengths}
+    out = [f"\n### {corpus}: perplexity, mean over seeds [min, max]\n",
+           "| model/method | seeds | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 2) + "|"]  # fmt: skip
+    for r in rows:
+        values = []
+        for t in lengths:
+            v = cells.get((r, t), [])
+            text = (
+                "—" if not v else fmt(np.mean(v)) + (f" [{fmt(min(v))}, {fmt(max(v))}]" if len(v) > 1 else "")
+            )
+            values.append(f"**{text}**" if v and np.mean(v) == best[t] else text)
+        out.append(
+            f"| {r} | {max(len(cells.get((r, t), [])) for t in lengths)} | " + " | ".join(values) + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def paired_ppl(windows: list[dict], corpus: str, model: str, train_len: int) -> tuple[list[dict], str]:
+    """For every length beyond training: every pair of `model`'s methods compared on the same windows
+    (mean loss difference in nats; units = (seed, document, window), clusters = (document, seed))."""
+    rows, text = [], []
+    for length in sorted({w["length"] for w in windows if w["model"] == model and w["length"] > train_len}):
+        cell = [w for w in windows if w["model"] == model and w["length"] == length]
+        by_method = defaultdict(dict)
+        for w in cell:
+            by_method[w["method"]][w["seed"], w["document"], w["window"]] = w["loss"]
+        units = sorted(next(iter(by_method.values())))
+        values = {m: np.array([v[u] for u in units]) for m, v in by_method.items()}
+        clusters = np.array([[u[1], u[0]] for u in units])
+        table = pairwise_table(values, clusters, higher_is_better=False)
+        rows += [{"corpus": corpus, "model": model, "length": length, **r} for r in table]
+        text += [f"\n#### {corpus}, {model}, T = {length}: loss difference (nats), row minus column\n",
+                 pairwise_markdown(table), "", "Significant orderings (95%): " + orderings(table), ""]  # fmt: skip
+    return rows, "\n".join(text)
+
+
+def orderings(table: list[dict]) -> str:
+    """The significant pairwise orderings, 'a < b' meaning a is better, or 'none'."""
+    pairs = [
+        f"{r['better']} < {r['b'] if r['better'] == r['a'] else r['a']}" for r in table if r["significant"]
     ]
+    return ", ".join(pairs) or "none"
+
+
+# ----------------------------------------------------------------------------- retrieval tables
+
+
+def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
+    """Accuracy per (task, model/method, length) pooled over seeds, with its Wilson 95% interval and
+    the range of the per-seed accuracies; paired differences between the base model's methods on
+    the same prompts (units = prompts, clusters = (seed, depth)). -> (accuracy rows, paired rows, markdown)."""
+    cells = defaultdict(list)
+    for t in trials:
+        cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
+    accuracy = []
+    for (task, method, length), rows in cells.items():
+        correct = sum(r["greedy_correct"] for r in rows)
+        low, high = wilson_interval(correct, len(rows))
+        per_seed = defaultdict(list)
+        for r in rows:
+            per_seed[r["seed"]].append(r["greedy_correct"])
+        seed_acc = [float(np.mean(v)) for v in per_seed.values()]
+        accuracy.append({"task": task, "method": method, "length": length, "trials": len(rows),
+                         "greedy_acc": correct / len(rows), "greedy_low": low, "greedy_high": high,
+                         "seed_min": min(seed_acc), "seed_max": max(seed_acc), "seeds": len(seed_acc)})  # fmt: skip
+    text, paired = [], []
+    for task in dict.fromkeys(r["task"] for r in accuracy):
+        sel = [r for r in accuracy if r["task"] == task]
+        lengths = sorted({r["length"] for r in sel})
+        text += [f"\n### {task}: greedy accuracy, pooled over seeds [Wilson 95%]\n",
+                 "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
+        for method in dict.fromkeys(r["method"] for r in sel):
+            cell = {r["length"]: r for r in sel if r["method"] == method}
+            text.append(f"| {method} | " + " | ".join(
+                f"{cell[t]['greedy_acc']:.0%} [{cell[t]['greedy_low']:.0%}, {cell[t]['greedy_high']:.0%}]"
+                if t in cell else "—" for t in lengths) + " |")  # fmt: skip
+        for length in lengths:
+            base = [
+                t
+                for t in trials
+                if t["task"] == task and t["length"] == length and t["model"].startswith("base")
+            ]
+            by_method = defaultdict(dict)
+            for t in base:
+                by_method[t["method"]][t["seed"], t["depth"], t["trial"]] = t["greedy_correct"]
+            if len(by_method) < 2:
+                continue
+            units = sorted(next(iter(by_method.values())))
+            values = {m: np.array([v[u] for u in units], dtype=float) for m, v in by_method.items()}
+            table = pairwise_table(values, np.array([[u[0], u[1]] for u in units]), higher_is_better=True)
+            paired += [{"task": task, "length": length, **r} for r in table]
+            text.append(
+                f"\n{task}, base models, T = {length}: significant orderings (95%): {orderings(table)}"
+            )
+    return accuracy, paired, "\n".join(text) + "\n"
+
+
+def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> None:
+    """Perplexity vs length per corpus: one line per model/method, the mean over seeds (the range shaded)."""
+    fig, axes = plt.subplots(1, len(windows), figsize=(7 * len(windows), 5), squeeze=False)
+    for ax, (corpus, rows) in zip(axes[0], windows.items()):
+        per_seed = defaultdict(list)
+        for w in rows:
+            per_seed[w["model"] + "/" + w["method"], w["length"], w["seed"]].append(w["loss"])
+        curves = defaultdict(lambda: defaultdict(list))
+        for (name, length, _), losses in per_seed.items():
+            curves[name][length].append(float(np.exp(np.mean(losses))))
+        for name, by_length in curves.items():
+            x = sorted(by_length)
+            ax.plot(x, [np.mean(by_length[t]) for t in x], marker="o", label=name)
+            ax.fill_between(x, [min(by_length[t]) for t in x], [max(by_length[t]) for t in x], alpha=0.15)
+        ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
+        ax.set(
+            xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity", title=corpus
+        )
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    if rows:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def check_config(cfg: StudyConfig) -> None:
+    if isinstance(cfg.seeds, bool) or not isinstance(cfg.seeds, int) or cfg.seeds < 1:
+        raise ValueError(f"seeds must be a positive integer, got {cfg.seeds!r}.")
+    if cfg.base_ckpt and cfg.seeds != 1:
+        raise ValueError(f"base_ckpt reuses one base model, so it needs seeds=1, got seeds={cfg.seeds}.")
+    if not cfg.corpora:
+        raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
+    if unknown := [t for t in cfg.retrieval_tasks if t not in TASKS]:
+        raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {list(TASKS)}.")
 
 
 def run(cfg: StudyConfig, train_extra: list[str]) -> None:
+    check_config(cfg)
     out = Path(cfg.out).resolve()
     lengths = SMOKE_LENGTHS if cfg.smoke else list(cfg.lengths)
-    train_args = (SMOKE_TRAIN if cfg.smoke else []) + train_extra
+    retrieval_lengths = SMOKE_RETRIEVAL_LENGTHS if cfg.smoke else list(cfg.retrieval_lengths or lengths)
+    # smoke trains at max_len 32, too short for recall windows: the recipe is a full-size choice
+    recipe = [f"experiment={cfg.recipe}"] if cfg.recipe and not cfg.smoke else []
+    train_args = recipe + (SMOKE_TRAIN if cfg.smoke else []) + train_extra
     extend_args = SMOKE_EXTEND if cfg.smoke else []
     base_len = 32 if cfg.smoke else 256
-    evals = {"max_windows": cfg.max_windows, "threads": cfg.threads}
-    common = [f"lengths=[{','.join(map(str, lengths))}]"] + [
-        f"{k}={v if v is not None else 'null'}" for k, v in evals.items()
-    ]
+    threads = [f"threads={cfg.threads if cfg.threads is not None else 'null'}"]
+    as_list = lambda xs: "[" + ",".join(map(str, xs)) + "]"  # noqa: E731
 
     def train(name: str, *args: str) -> Path:
         run_dir = out / "runs" / name
@@ -109,45 +288,98 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         return run_dir
 
     def evaluate(name: str, ckpt: Path, methods: str) -> None:
-        step(f"eval {name}", out / "eval" / name / "results.csv",
-             ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", f"out={out / 'eval' / name}", f"methods={methods}", *common])  # fmt: skip
+        for corpus in cfg.corpora:
+            data = [] if corpus == "own" else [f"data={corpus}"]
+            step(f"eval {name} on {corpus}", out / "eval" / corpus / name / "windows.csv",
+                 ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
+                  f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
+                  *threads, *data])  # fmt: skip
 
-    base = Path(cfg.base_ckpt) if cfg.base_ckpt else train("base", f"data.max_len={base_len}", "rope=none")
-    evaluate("base", base, ZERO_SHOT)
+    def retrieve(name: str, ckpt: Path, methods: str) -> None:
+        if cfg.retrieval:
+            depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
+            options = ["task_options.multikey.keys=2", "task_options.vartrack.chains=1"] if cfg.smoke else []
+            step(f"retrieval {name}", out / "retrieval" / name / "trials.csv",
+                 ["scripts/passkey.py", f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
+                  f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
+                  f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip
+
+    bases = {}
+    for seed in range(cfg.seeds):
+        name = f"base_s{seed}"
+        if cfg.base_ckpt:
+            bases[name] = Path(cfg.base_ckpt)
+        else:
+            seeds = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
+            bases[name] = train(name, f"data.max_len={base_len}", "rope=none", *seeds)
+        evaluate(name, bases[name], ZERO_SHOT)
+        retrieve(name, bases[name], RETRIEVAL_METHODS)
     extended = {}
     for name, rope in [("pi", []), ("yarn", ["rope=yarn"])]:
-        init = resolve_checkpoint(base)  # init_from takes a .ckpt file
+        init = resolve_checkpoint(bases["base_s0"])  # init_from takes a .ckpt file
         extended[name] = train(name, "experiment=extend_context", f"init_from={init}", *rope, *extend_args)
         evaluate(name, extended[name], "[ckpt]")
+        retrieve(name, extended[name], "[ckpt]")
     large = (
         Path(cfg.large_base_ckpt)
         if cfg.large_base_ckpt
         else train("large_base", f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
     )
     evaluate("large_base", large, "[none]")
-    if cfg.passkey:
-        depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
-        for name, ckpt, methods in [
-            ("base", base, "[none,ntk,dynamic_ntk,yarn,self_extend]"),
-            *((n, c, "[ckpt]") for n, c in extended.items()),
-        ]:
-            step(f"passkey {name}", out / "passkey" / name / "passkey.csv",
-                 ["scripts/passkey.py", f"ckpt={ckpt}", f"out={out / 'passkey' / name}", f"methods={methods}",
-                  f"depths={depths}", f"trials={cfg.passkey_trials}", *common[:1], f"threads={evals['threads'] or 'null'}"])  # fmt: skip
+    summarise(cfg, out, [*bases, *extended, "large_base"], base_len)
 
-    rows = [
-        r
-        for name in ("base", "pi", "yarn", "large_base")
-        for r in read_results(out / "eval" / name / "results.csv", name)
-    ]
+
+def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> None:
+    """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
+    seed_of = lambda m: int(m.rsplit("_s", 1)[1]) if m.startswith("base_s") else 0  # noqa: E731
+    model_of = lambda m: "base" if m.startswith("base_s") else m  # noqa: E731
+    windows = {
+        corpus: [
+            w
+            for m in models
+            for w in read_csv(out / "eval" / corpus / m / "windows.csv", model=model_of(m), seed=seed_of(m))
+        ]
+        for corpus in cfg.corpora
+    }
     header = (
-        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\nBase models trained at L = {base_len}; "
-        "`pi`/`yarn` fine-tuned at 4L from `base`; `large_base` trained with rope.base="
-        f"{cfg.large_base:g}. Per-model tables, intervals and plots: eval/<model>/results.md."
+        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{cfg.seeds} base model(s) trained at "
+        f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds 0..{cfg.seeds - 1}); `pi`/`yarn` "
+        f"fine-tuned at 4L from seed 0's base; `large_base` (seed 0) trained with rope.base={cfg.large_base:g}. "
+        f"Corpora: {', '.join(cfg.corpora)} (own = the training data's held-out test split). Per-model tables and "
+        "plots: eval/<corpus>/<model>/, retrieval/<model>/.\n\n## Perplexity\n"
     )
-    (out / "summary.md").write_text(markdown_tables(rows, header), encoding="utf-8")
-    plot_ppl_vs_length(rows, base_len, out / "summary.png")
-    print(f"[study] wrote {out / 'summary.md'} and {out / 'summary.png'}")
+    text, paired = [header], []
+    for corpus, rows in windows.items():
+        text.append(seed_table(rows, corpus))
+        rows_paired, md = paired_ppl(rows, corpus, "base", base_len)
+        paired += rows_paired
+        text.append(md)
+    write_rows(out / "paired_ppl.csv", paired)
+    plot_corpora(windows, base_len, out / "summary.png")
+    if cfg.retrieval:
+        trials = [
+            t
+            for m in models
+            if (out / "retrieval" / m / "trials.csv").exists()
+            for t in read_csv(out / "retrieval" / m / "trials.csv", model=model_of(m), seed=seed_of(m))
+        ]
+        counters = defaultdict(
+            int
+        )  # each (model, seed, task, method, length, depth) cell's prompts, numbered
+        for t in trials:
+            key = (t["model"], t["seed"], t["task"], t["method"], t["length"], t["depth"])
+            t["trial"], counters[key] = counters[key], counters[key] + 1
+        accuracy, paired_retrieval, md = retrieval_tables(trials)
+        write_rows(out / "retrieval.csv", accuracy)
+        write_rows(out / "paired_retrieval.csv", paired_retrieval)
+        text += ["\n## Retrieval\n", md]
+        for task in dict.fromkeys(r["task"] for r in accuracy):
+            plot_vs_length([r for r in accuracy if r["task"] == task], task, out / f"retrieval_{task}.png")
+    (out / "summary.md").write_text("\n".join(text), encoding="utf-8")
+    print(
+        f"[study] wrote {out / 'summary.md'}, summary.png, paired_ppl.csv"
+        + (", retrieval.csv, paired_retrieval.csv, retrieval_<task>.png" if cfg.retrieval else "")
+    )
 
 
 @one_sentence_errors(errors=(*USER_ERRORS, RuntimeError))  # RuntimeError: a step that failed

@@ -102,7 +102,9 @@ def test_grid_writes_csv_markdown_and_plots(run_dir, tmp_path):
         windows = list(csv.DictReader(f))
     for (method, length, metric), r in rows.items():
         cell = [w for w in windows if w["method"] == method and int(w["length"]) == length]
-        assert len(cell) == int(r["n_windows"]) and len({(w["document"], w["window"]) for w in cell}) == len(cell)
+        assert len(cell) == int(r["n_windows"]) and len({(w["document"], w["window"]) for w in cell}) == len(
+            cell
+        )
         if metric in ("ppl", "tail_ppl"):
             column = "loss" if metric == "ppl" else "tail_loss"
             assert np.mean([float(w[column]) for w in cell]) == pytest.approx(float(r["loss"]), abs=1e-5)
@@ -329,7 +331,10 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
     model = load_checkpoint(run_dir).model  # its own copy: the RoPE is replaced
     model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
     rng = np.random.default_rng(0)
-    prompts = [build_prompt(task, tok, length, 0.5, rng) for task, length in (("passkey", 200), ("multikey", 400), ("passkey", 260))]
+    prompts = [
+        build_prompt(task, tok, length, 0.5, rng)
+        for task, length in (("passkey", 200), ("multikey", 400), ("passkey", 260))
+    ]
     candidates = [passkey.candidate_tokens(tok, p.answer, rng, 4) + [tok.encode(" 7")] for p in prompts]
     assert len({len(p.tokens) for p in prompts}) == 3  # really padded
     batched = passkey.answer_prompts(model, tok, prompts, candidates, max_new_tokens=6, rows=3)
@@ -412,7 +417,10 @@ def test_suite_refuses_unknown_tasks_and_options_before_loading(tmp_path):
         (["tasks=[needle]"], "retrieval task 'needle' is unknown"),
         (["tasks=[passkey,passkey]"], "tasks lists a task twice"),
         (["tasks=[multikey]", "task_options.multikey.keys=99"], r"keys must be an integer in \[1, 16\]"),
-        (["tasks=[vartrack]", "+task_options.vartrack.depth=2"], r"vartrack takes the options \['chains', 'hops'\]"),
+        (
+            ["tasks=[vartrack]", "+task_options.vartrack.depth=2"],
+            r"vartrack takes the options \['chains', 'hops'\]",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             passkey.run(compose_script("passkey", tmp_path / "missing", tmp_path / "out", *overrides))
@@ -486,20 +494,22 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
         return subprocess.CompletedProcess(command, returncode=1)
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
-    base = tmp_path / "runs" / "base"
+    base = tmp_path / "runs" / "base_s0"
     (base / "checkpoints").mkdir(parents=True)
     (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
-    with pytest.raises(RuntimeError, match="step 'train base' failed"):
+    with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
         study.run(study.StudyConfig(out=str(tmp_path)), [])
     assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
+    assert "experiment=recall_base" in commands[-1] and "seed=1337" in commands[-1]  # the recipe, seed 0
     (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
-    with pytest.raises(RuntimeError, match="step 'eval base' failed"):
+    with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
         study.run(study.StudyConfig(out=str(tmp_path)), [])
 
 
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
-    """~5 minutes on 2 shared cores: four tiny trainings and seven evaluations, each a subprocess."""
+    """~6 minutes on 2 shared cores: five tiny trainings (two seeds), eight evaluations on two corpora
+    and four retrieval runs, each a subprocess."""
     corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
     data = [
         "data=text_files",
@@ -512,13 +522,29 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
         str(ROOT / "scripts" / "study.py"),
         f"out={tmp_path / 'study'}",
         "smoke=true",
+        "seeds=2",
         "threads=1",
         "--",
         *data,
     ]
     subprocess.run(command, check=True, cwd=ROOT)
-    summary = (tmp_path / "study" / "summary.md").read_text()
-    assert all(f"| {m} |" in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
-    assert (tmp_path / "study" / "summary.png").is_file()
+    study_dir = tmp_path / "study"
+    summary = (study_dir / "summary.md").read_text()
+    assert all(f"| {m} | " in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
+    assert "### own: perplexity" in summary and "### kjv: perplexity" in summary
+    assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
+    assert "Significant orderings (95%)" in summary and "### vartrack: greedy accuracy" in summary
+    for name in (
+        "summary.png",
+        "retrieval_passkey.png",
+        "paired_ppl.csv",
+        "retrieval.csv",
+        "paired_retrieval.csv",
+    ):
+        assert (study_dir / name).is_file()
+    with open(study_dir / "paired_ppl.csv") as f:
+        paired = list(csv.DictReader(f))
+    n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
+    assert len(paired) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
-    assert again.stdout.count("skipped") == 11  # resumable: every step's output exists
+    assert again.stdout.count("skipped") == 19  # resumable: every step's output exists
