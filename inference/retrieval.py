@@ -81,7 +81,11 @@ def answer_correct(generated: str, answer: int) -> bool:
     return first_integer(generated) == answer
 
 
-TASK_OPTIONS = {"passkey": {}, "multikey": {"keys": (1, len(NAMES))}, "vartrack": {"chains": (1, None), "hops": (0, None)}}
+TASK_OPTIONS = {
+    "passkey": {},
+    "multikey": {"keys": (1, len(NAMES))},
+    "vartrack": {"chains": (1, None), "hops": (0, None)},
+}
 
 
 def check_task_options(task: str, **options) -> None:

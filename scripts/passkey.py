@@ -33,7 +33,14 @@ from inference.evaluation import continuation_logprobs, forward_groups, rows_per
 from inference.generation import GREEDY, check_integer, generate, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
-from inference.retrieval import TASKS, RetrievalPrompt, build_prompt, check_task_options, first_integer, random_keys
+from inference.retrieval import (
+    TASKS,
+    RetrievalPrompt,
+    build_prompt,
+    check_task_options,
+    first_integer,
+    random_keys,
+)
 from inference.stats import wilson_interval
 from scripts.common import (
     CONFIGS,
@@ -125,7 +132,9 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
     """Accuracy heatmaps of one task and method (rows lengths, columns depths): greedy and ranking."""
     lengths, depths = sorted({r["length"] for r in table}), sorted({r["depth"] for r in table})
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.5 * len(lengths) + 2.5))
-    for ax, (key, kind) in zip(axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]):
+    for ax, (key, kind) in zip(
+        axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]
+    ):
         grid = np.array(
             [
                 [next(r[key] for r in table if r["length"] == t and r["depth"] == d) for d in depths]
@@ -149,7 +158,9 @@ def plot_vs_length(table: list[dict], task: str, path: Path) -> None:
         rows = sorted((r for r in table if r["method"] == method), key=lambda r: r["length"])
         lengths = [r["length"] for r in rows]
         ax.plot(lengths, [r["greedy_acc"] for r in rows], marker="o", label=method)
-        ax.fill_between(lengths, [r["greedy_low"] for r in rows], [r["greedy_high"] for r in rows], alpha=0.15)
+        ax.fill_between(
+            lengths, [r["greedy_low"] for r in rows], [r["greedy_high"] for r in rows], alpha=0.15
+        )
     ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="greedy accuracy", ylim=(-0.02, 1.02))
     ax.set_xticks(sorted({r["length"] for r in table}), labels=sorted({r["length"] for r in table}))
     ax.set_title(f"{task}: accuracy vs length (bands: Wilson 95%)")
@@ -187,9 +198,7 @@ def check_memory(model, cfg: DictConfig) -> None:
         native=False,
     )
     prompt_lists = 8 * prompts * longest  # a list slot per token; the filler's ints are shared objects
-    what = (
-        f"answering {prompts} retrieval prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
-    )
+    what = f"answering {prompts} retrieval prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
     knob = "lengths, trials or batch_tokens" if rows > 1 else "lengths or trials"
     check_fits(nbytes + prompt_lists, what, knob, model.embed.weight.device)
 
@@ -236,7 +245,14 @@ def run(cfg: DictConfig) -> list[dict]:
             answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
             for depth, row in zip(prompt_depths, answered):
                 trials.append(
-                    {"task": task, "method": method, "length": length, "depth": depth, "factor": factor, **row}
+                    {
+                        "task": task,
+                        "method": method,
+                        "length": length,
+                        "depth": depth,
+                        "factor": factor,
+                        **row,
+                    }
                 )
 
     out = Path(cfg.out)
