@@ -56,7 +56,7 @@ class StudyConfig:
     out: str = "runs/study"
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
     seeds: int = 3  # base models trained with seeds 0..seeds-1 (seed, data order and recall data differ)
-    recipe: str | None = "recall_base"  # experiment= for the base models; null = the default job
+    recipe: str | None = None  # experiment= for the base models (e.g. recall_base); null = the default job
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
     base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
