@@ -31,6 +31,7 @@ from inference.evaluation import (
 from inference.generation import check_scoring, score_tokens
 from inference.memory import MemoryBudgetError
 from inference.retrieval import build_prompt, first_integer
+from inference.stats import wilson_interval
 from model.config import ModelConfig
 from model.llama import Llama
 from model.rope import RopeConfig
@@ -500,7 +501,9 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
     with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
         study.run(study.StudyConfig(out=str(tmp_path)), [])
     assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
-    assert "seed=1337" in commands[-1] and not any(c.startswith("experiment=") for c in commands[-1])  # seed 0, default job
+    assert "seed=1337" in commands[-1] and not any(
+        c.startswith("experiment=") for c in commands[-1]
+    )  # seed 0, default job
     (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
         study.run(study.StudyConfig(out=str(tmp_path)), [])
@@ -548,3 +551,50 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     assert len(paired) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
     assert again.stdout.count("skipped") == 19  # resumable: every step's output exists
+
+
+def test_study_tables_average_seeds_and_mark_only_significant_orderings():
+    """Constructed per-window losses: `good` is 0.1 nats better than `none` on every window of every
+    seed, `same` equals `none` up to symmetric noise. The seed table shows each seed's perplexity
+    mean and range; the paired table marks good < none and good < same, and nothing else."""
+    rng = np.random.default_rng(0)
+    windows = []
+    for seed in range(3):
+        for document in range(2):
+            for window in range(4):
+                base = 4.0 + 0.2 * seed + rng.normal(0, 0.3)  # seeds and windows differ a lot
+                noise = 0.01 if (seed + document + window) % 2 else -0.01
+                for method, loss in (("none", base), ("good", base - 0.1), ("same", base + noise)):
+                    row = {"model": "base", "method": method, "length": 512, "seed": seed}
+                    windows.append({**row, "document": document, "window": window, "loss": loss})
+    table = study.seed_table(windows, "own")
+    per_seed = [
+        np.exp(np.mean([w["loss"] for w in windows if w["method"] == "none" and w["seed"] == s]))
+        for s in range(3)
+    ]
+    assert (
+        f"| base/none | 3 | {np.mean(per_seed):,.2f} [{min(per_seed):,.2f}, {max(per_seed):,.2f}] |" in table
+    )
+    assert "| base/good | 3 | **" in table  # the best mean is bold
+    rows, text = study.paired_ppl(windows, "own", "base", train_len=256)
+    significant = {(r["a"], r["b"]): r["better"] for r in rows if r["significant"]}
+    assert significant == {("none", "good"): "good", ("good", "same"): "good"}
+    good_vs_none = next(r for r in rows if {r["a"], r["b"]} == {"none", "good"})
+    assert good_vs_none["diff"] == pytest.approx(0.1) and good_vs_none["clusters"] == 6  # documents x seeds
+    assert "Significant orderings (95%): good < none, good < same" in text
+
+
+def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
+    trials = []
+    for seed in range(2):
+        for depth in (0.0, 0.5, 1.0):
+            for trial in range(5):
+                for method, correct in (("yarn", 1), ("none", int(trial == 0))):
+                    trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
+                                   "depth": depth, "trial": trial, "greedy_correct": correct})  # fmt: skip
+    accuracy, paired, text = study.retrieval_tables(trials)
+    none = next(r for r in accuracy if r["method"] == "base/none")
+    assert none["trials"] == 30 and none["greedy_acc"] == pytest.approx(6 / 30) and none["seeds"] == 2
+    assert (none["greedy_low"], none["greedy_high"]) == pytest.approx(wilson_interval(6, 30))
+    assert [r["better"] for r in paired] == ["yarn"] and "orderings (95%): yarn < none" in text
+    assert "| base/yarn | 100% [" in text
