@@ -153,8 +153,8 @@ ROWS = [
         Row("passkey-crafted", PASSKEY, "ckpt={EVIL} out={OUT} lengths=[32]", 2, "{REFUSAL}",
             setup="crafted pickle", post="marker never created, nothing written to out"),
         # study runs each step as a subprocess: the step's own error line, then the study's naming the step
-        Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} smoke=true", 2,
-            "step 'eval base' failed; fix it and re-run the same command to resume.", lines=2,
+        Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} seeds=1 smoke=true", 2,
+            "step 'eval base_s0 on own' failed; fix it and re-run the same command to resume.", lines=2,
             setup="crafted pickle",
             post="marker never created, first line is the refusal, nothing written to out"),
         *([Row("export-gguf-crafted", EXPORT_GGUF, "ckpt={EVIL} out={OUT}/m.gguf", 2, "{REFUSAL}",

@@ -269,7 +269,7 @@ def test_a_batch_that_does_not_fit_is_refused_naming_batch_tokens(run_dir, tmp_p
     cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[1000]", "batch_tokens=1000000")
     with pytest.raises(
         MemoryBudgetError,
-        match=r"^Answering 25 passkey prompts of 1,000 tokens \(25 per forward\) needs .*; "
+        match=r"^Answering 25 retrieval prompts of 1,000 tokens \(25 per forward\) needs .*; "
         r"lower lengths, trials or batch_tokens\.$",
     ):
         passkey.run(cfg)
