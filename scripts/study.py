@@ -228,16 +228,20 @@ def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> 
         curves = defaultdict(lambda: defaultdict(list))
         for (name, length, _), losses in per_seed.items():
             curves[name][length].append(float(np.exp(np.mean(losses))))
-        for name, by_length in curves.items():
+        colors = plt.get_cmap("tab20").colors  # more distinct colours than the default cycle's ten
+        for (name, by_length), color in zip(curves.items(), colors[::2] + colors[1::2]):
             x = sorted(by_length)
-            ax.plot(x, [np.mean(by_length[t]) for t in x], marker="o", label=name)
-            ax.fill_between(x, [min(by_length[t]) for t in x], [max(by_length[t]) for t in x], alpha=0.15)
+            style = "-" if name.startswith("base/") else "--"  # single-seed models dashed
+            ax.plot(x, [np.mean(by_length[t]) for t in x], style, marker="o", color=color, label=name)
+            ax.fill_between(
+                x, [min(by_length[t]) for t in x], [max(by_length[t]) for t in x], color=color, alpha=0.12
+            )
         ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
         ax.set(
             xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity", title=corpus
         )
         ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
