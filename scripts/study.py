@@ -39,7 +39,7 @@ from inference.checkpoint import resolve_checkpoint
 from inference.cli import USER_ERRORS, one_sentence_errors
 from inference.retrieval import TASKS
 from inference.stats import pairwise_markdown, pairwise_table, wilson_interval
-from scripts.common import ROOT
+from scripts.common import ROOT, write_csv
 from scripts.eval_extrapolation import fmt
 from scripts.passkey import plot_vs_length
 
@@ -247,14 +247,6 @@ def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> 
     plt.close(fig)
 
 
-def write_rows(path: Path, rows: list[dict]) -> None:
-    if rows:
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
-
 # ----------------------------------------------------------------------------- the study
 
 
@@ -358,7 +350,8 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> 
         rows_paired, md = paired_ppl(rows, corpus, "base", base_len)
         paired += rows_paired
         text.append(md)
-    write_rows(out / "paired_ppl.csv", paired)
+    if paired:  # empty when no length exceeds the training length
+        write_csv(out / "paired_ppl.csv", paired)
     plot_corpora(windows, base_len, out / "summary.png")
     if cfg.retrieval:
         trials = [
@@ -374,8 +367,9 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> 
             key = (t["model"], t["seed"], t["task"], t["method"], t["length"], t["depth"])
             t["trial"], counters[key] = counters[key], counters[key] + 1
         accuracy, paired_retrieval, md = retrieval_tables(trials)
-        write_rows(out / "retrieval.csv", accuracy)
-        write_rows(out / "paired_retrieval.csv", paired_retrieval)
+        write_csv(out / "retrieval.csv", accuracy)
+        if paired_retrieval:  # empty when the base models ran a single retrieval method
+            write_csv(out / "paired_retrieval.csv", paired_retrieval)
         text += ["\n## Retrieval\n", md]
         for task in dict.fromkeys(r["task"] for r in accuracy):
             plot_vs_length([r for r in accuracy if r["task"] == task], task, out / f"retrieval_{task}.png")
