@@ -13,6 +13,7 @@ and loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
@@ -106,21 +107,18 @@ def evaluate_grid(
             rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
         for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
             curves.append({**keys, "start": start, "end": end, "loss": loss})
-        first = {
-            int(d): i for i, d in reversed(list(enumerate(owners.tolist())))
-        }  # a document's first window
-        for i, (doc, loss, tail) in enumerate(
-            zip(owners.tolist(), losses.mean(1), losses[:, -train_len:].mean(1))
-        ):
+        windows_seen = Counter()  # a window's index within its document
+        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -train_len:].mean(1)):
             per_window.append(
                 {
                     **keys,
                     "document": doc,
-                    "window": i - first[doc],
+                    "window": windows_seen[doc],
                     "loss": float(loss),
                     "tail_loss": float(tail),
                 }
             )
+            windows_seen[doc] += 1
     return rows, curves, per_window
 
 

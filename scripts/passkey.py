@@ -232,10 +232,10 @@ def run(cfg: DictConfig) -> list[dict]:
     trials = []
     cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
     for length, task in tqdm(cells, desc="retrieval", unit="length x task"):
-        prompt_depths, prompts, candidates = [], [], []
+        prompt_cells, prompts, candidates = [], [], []  # (depth, trial index in its cell) per prompt
         for depth in depths:
             cell_prompts, cell_candidates = task_prompts(cfg, tok, task, tasks[task], length, depth)
-            prompt_depths += [depth] * len(cell_prompts)
+            prompt_cells += [(depth, trial) for trial in range(len(cell_prompts))]
             prompts += cell_prompts
             candidates += cell_candidates
         rows = rows_per_forward(cfg.batch_tokens, length)
@@ -243,13 +243,14 @@ def run(cfg: DictConfig) -> list[dict]:
             ckpt.model.set_rope(rope)
             ckpt.model.set_extend(extends[method])
             answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
-            for depth, row in zip(prompt_depths, answered):
+            for (depth, trial), row in zip(prompt_cells, answered):
                 trials.append(
                     {
                         "task": task,
                         "method": method,
                         "length": length,
                         "depth": depth,
+                        "trial": trial,
                         "factor": factor,
                         **row,
                     }

@@ -360,12 +360,6 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> 
             if (out / "retrieval" / m / "trials.csv").exists()
             for t in read_csv(out / "retrieval" / m / "trials.csv", model=model_of(m), seed=seed_of(m))
         ]
-        counters = defaultdict(
-            int
-        )  # each (model, seed, task, method, length, depth) cell's prompts, numbered
-        for t in trials:
-            key = (t["model"], t["seed"], t["task"], t["method"], t["length"], t["depth"])
-            t["trial"], counters[key] = counters[key], counters[key] + 1
         accuracy, paired_retrieval, md = retrieval_tables(trials)
         write_csv(out / "retrieval.csv", accuracy)
         if paired_retrieval:  # empty when the base models ran a single retrieval method
