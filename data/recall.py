@@ -71,6 +71,7 @@ class RecallConfig:
     max_pairs: int = 4
     queries: int = 1  # questions at the end, each about a different fact (at most min_pairs)
     curriculum_batches: int = 0  # batches over which distance and facts grow to full; 0 = none
+    copy_fraction: float = 0.0  # probability that another window becomes a copy window (`copy_window`)
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -80,12 +81,10 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        if (
-            isinstance(cfg.fraction, bool)
-            or not isinstance(cfg.fraction, int | float)
-            or not 0 <= cfg.fraction <= 1
-        ):
-            raise DataError(f"data.recall.fraction must lie in [0, 1], got {cfg.fraction!r}.")
+        for name in ("fraction", "copy_fraction"):
+            value = getattr(cfg, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
         for name in ("seed", "min_pairs", "max_pairs", "queries", "curriculum_batches"):
             value = getattr(cfg, name)
             lowest = 1 if name in ("min_pairs", "queries") else 0
@@ -143,14 +142,44 @@ class RecallMixer:
 
     def mix(self, batch_index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training batch `batch_index` as (input, target), each (B, L) int64, with each row replaced by
-        a recall window with probability `fraction`; a pure function of (recall seed, batch_index)."""
+        a recall window with probability `fraction`, else by a copy window with probability
+        `copy_fraction`; a pure function of (recall seed, batch_index)."""
         rng = np.random.default_rng([self.config.seed, batch_index])
         windows = torch.cat([x, y[:, -1:]], dim=1).numpy().copy()  # (B, L + 1)
         progress = self.progress(batch_index)
-        for row in np.flatnonzero(rng.random(len(windows)) < self.config.fraction):
+        draws = rng.random(len(windows))
+        for row in np.flatnonzero(draws < self.config.fraction):
             windows[row] = self.window(rng, windows[row], progress).tokens
+        copy_rows = (draws >= self.config.fraction) & (rng.random(len(windows)) < self.config.copy_fraction)
+        for row in np.flatnonzero(copy_rows):
+            windows[row] = self.copy_window(rng, windows[row])
         out = torch.from_numpy(windows)
         return out[:, :-1], out[:, 1:]
+
+    def copy_window(
+        self, rng: np.random.Generator, haystack: np.ndarray, span: tuple[int, int] = (8, 24)
+    ) -> np.ndarray:
+        """A window as long as `haystack` (n,) made of its own text and random numbers: in groups of
+        four, consecutive text spans of span[0]..span[1] tokens or (one in two) a random 5-digit value
+        like the facts' " 73912", each twice in shuffled order, so a repeat sits at a varying distance
+        from its first occurrence. Only content matching (an induction head) predicts a repeat; a fixed
+        distance would teach a positional shortcut that does not transfer, and the numbers make the
+        digits' embeddings tell each other apart, which copying a value needs (docs/data.md)."""
+        n, out, cursor, total = len(haystack), [], 0, 0
+        while total < n:
+            spans = []
+            for _ in range(4):
+                if rng.random() < 0.5:
+                    spans.append(
+                        np.asarray(self.tok.encode(f" {rng.integers(*VALUE_RANGE)}"), dtype=np.int64)
+                    )
+                    continue
+                length = int(rng.integers(span[0], span[1] + 1))
+                spans.append(haystack[cursor : cursor + length])
+                cursor = (cursor + length) % max(1, n - span[1])
+            out += [spans[i] for i in rng.permutation(np.repeat(np.arange(4), 2))]
+            total += 2 * sum(map(len, spans))
+        return np.concatenate(out)[:n].astype(np.int64)
 
     def window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float = 1.0) -> RecallWindow:
         """One recall window as long as `haystack` (n,), built from its leading tokens."""

@@ -334,7 +334,7 @@ def fixed_shape_step(
     to step, so torch.compile builds it once per cache shape. The caller advances the cache.
     """
     write = cache.at_slot(slot)
-    x = model.hidden_states(model.embed(token), positions, write, write.mask())
+    x = model.hidden_states(model.embed_tokens(token, write), positions, write, write.mask())
     return model.lm_head(x[:, -1])
 
 

@@ -145,6 +145,10 @@ def check_supported(model, cache) -> None:
         raise NativeDecodeUnavailable(
             f"native decoding does not implement extend={model.config.extend.method}; use compile=true."
         )
+    if model.config.mix_previous_token:
+        raise NativeDecodeUnavailable(
+            "native decoding does not implement model.mix_previous_token; use compile=true."
+        )
     if model.training and model.config.dropout > 0:
         raise NativeDecodeUnavailable("native decoding has no dropout; call model.eval() first.")
 

@@ -76,19 +76,24 @@ CONFIG_NAMES = {  # ModelConfig field -> LlamaConfig key, for both directions
 }
 
 
-def check_no_extension(cfg: ModelConfig, target: str) -> None:
-    """Refuse a model whose attention has a context extension (model/extend.py) in one sentence:
-    `target` (transformers' Llama, a GGUF file) has no way to express it."""
+def check_expressible(cfg: ModelConfig, target: str) -> None:
+    """Refuse a model with a context extension (model/extend.py) or previous-token mixing in one
+    sentence: `target` (transformers' Llama, a GGUF file) has no way to express either."""
     if cfg.extend.method != "none":
         raise ExportError(
             f"extend={cfg.extend.method} cannot be exported: {target} cannot express Self-Extend or log-n attention, "
+            "so the exported model would compute something else."
+        )
+    if cfg.mix_previous_token:
+        raise ExportError(
+            f"model.mix_previous_token=true cannot be exported: {target} has no previous-token input mixing, "
             "so the exported model would compute something else."
         )
 
 
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None) -> dict:
     """Keyword arguments for transformers.LlamaConfig equivalent to `cfg`."""
-    check_no_extension(cfg, "transformers' Llama")
+    check_expressible(cfg, "transformers' Llama")
     rope_parameters, max_override = hf_rope_parameters(cfg.rope, cfg.head_dim)
     return {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_NAMES.items()} | dict(
         head_dim=cfg.head_dim,

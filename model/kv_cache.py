@@ -5,7 +5,9 @@ Keys are stored after rotation, so decoding never re-rotates old keys. With Self
 (model/extend.py) a cache built for the model (`for_model`, `grouped=True`) also stores every key
 rotated at its grouped position, in a second key buffer of the same size, and each slot's position,
 which the neighbour / grouped choice reads: a key's grouped rotation never changes, so it is
-written once like the other.
+written once like the other. A model with `mix_previous_token` needs the id before each new token:
+a cache built for it (`token_ids=True`) keeps every slot's token id, so chunked prefill, one-token
+steps and `rewind` all find a token's predecessor (and whether it is padding).
 
 Two ways to write, chosen by what the caller hands the model as its cache:
 - the KVCache itself: `update` appends at the Python-int `length` and attention covers the filled
@@ -37,12 +39,13 @@ def cache_bytes(
     head_dim: int,
     dtype: torch.dtype,
     grouped: bool = False,
+    token_ids: bool = False,
 ) -> int:
     """Bytes of a KVCache: k and v of every layer, 2 * n_layers * (B, n_kv_heads, capacity, head_dim),
     plus its int64 slot index; `grouped` adds the grouped keys of every layer and the (B, capacity)
-    int64 slot positions."""
+    int64 slot positions, `token_ids` the (B, capacity) int64 slot token ids."""
     buffers = 3 if grouped else 2
-    extra = 8 * batch_size * capacity if grouped else 0
+    extra = 8 * batch_size * capacity * (int(grouped) + int(token_ids))
     return (
         buffers * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize
         + 8 * capacity
@@ -66,14 +69,16 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         seq_len: int | None = None,
         grouped: bool = False,
+        token_ids: bool = False,
     ):
         """seq_len: the sequence length RoPE is computed for during this generation (dynamic NTK's
         scale; None = the largest position seen so far), fixed so keys already cached stay consistent.
-        grouped: also keep Self-Extend's grouped keys and the slots' positions (module docstring)."""
+        grouped: also keep Self-Extend's grouped keys and the slots' positions (module docstring).
+        token_ids: also keep each slot's token id (previous-token mixing; module docstring)."""
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be a positive number of tokens, got {capacity}.")
         check_fits(
-            cache_bytes(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype, grouped),
+            cache_bytes(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype, grouped, token_ids),
             f"a KV cache of {batch_size} x {capacity:,} tokens",
             "the cache capacity or the batch size",
             device,
@@ -89,6 +94,10 @@ class KVCache:
         # (B, capacity) int64: the position of each slot's token (Self-Extend's distances)
         self.positions = (
             torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
+        )
+        # (B, capacity) int64: the token id of each slot (the predecessor of the next slot's token)
+        self.token_ids = (
+            torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if token_ids else None
         )
         self.key_mask: torch.Tensor | None = None  # (B, capacity) bool; False marks padding slots
         self.seq_len = seq_len
@@ -109,6 +118,7 @@ class KVCache:
             dtype=weight.dtype,
             seq_len=seq_len,
             grouped=config.extend.self_extend,
+            token_ids=config.mix_previous_token,
         )
 
     @staticmethod
@@ -122,6 +132,7 @@ class KVCache:
             config.head_dim,
             dtype,
             config.extend.self_extend,
+            config.mix_previous_token,
         )
 
     @property
@@ -139,7 +150,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         grouped = [*self.k_grouped, self.positions] if self.grouped else []
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *grouped))
+        ids = [self.token_ids] if self.token_ids is not None else []
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *grouped, *ids))
 
     def reset(self) -> None:
         self.length = 0
@@ -179,6 +191,13 @@ class KVCache:
         start, end = self.length, self.length + position_ids.shape[-1]
         self.positions[:, start:end] = position_ids
         return self.positions[:, :end]
+
+    def previous_tokens(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the ids idx: (B, L) of the next L slots; return each one's predecessor id (B, L) and
+        whether it has one (B, L) bool: False at slot 0 and after a padding slot."""
+        return previous_tokens(
+            self, idx, torch.arange(self.length, self.length + idx.shape[1], device=idx.device)
+        )
 
     def next_slot(self) -> torch.Tensor:
         """(1,) long index of the next free slot, a view of a preallocated index (no allocation)."""
@@ -227,9 +246,30 @@ class SlotWrite:
         self.cache.positions[:, self.slot] = position_ids
         return self.cache.positions
 
+    def previous_tokens(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVCache.previous_tokens for the one token per row idx: (B, 1) at `slot`."""
+        return previous_tokens(self.cache, idx, self.slot)
+
     def mask(self) -> torch.Tensor:
         """(B|1, 1, 1, capacity) bool attention mask: the slots written so far, padding excluded."""
         mask = self.cache._slots <= self.slot  # (capacity,)
         if self.cache.key_mask is not None:
             return (mask & self.cache.key_mask)[:, None, None, :]
         return mask[None, None, None, :]
+
+
+def previous_tokens(
+    cache: KVCache, idx: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write idx: (B, L) at the (L,) long `slots` of `cache.token_ids`; return the ids at slots - 1
+    (B, L) and (B, L) bool: a predecessor exists (slot > 0) and is not padding."""
+    if cache.token_ids is None:
+        raise ValueError(
+            "This KV cache keeps no token ids; build it with KVCache.for_model for a model with mix_previous_token."
+        )
+    cache.token_ids[:, slots] = idx
+    before = (slots - 1).clamp(min=0)
+    exists = (slots > 0).expand_as(idx)
+    if cache.key_mask is not None:
+        exists = exists & cache.key_mask[:, before]
+    return cache.token_ids[:, before], exists

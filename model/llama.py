@@ -153,6 +153,8 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.mix_previous_token:  # (C,) gate of the predecessor's embedding (ModelConfig says why)
+            self.previous_token_gate = nn.Parameter(torch.ones(cfg.d_model))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)  # the one instance all layers share
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -231,7 +233,7 @@ class Llama(nn.Module):
         if position_ids is not None:
             self.rope.check_position_ids(position_ids, L, B)
         seq_len = kv_cache.seq_len if kv_cache is not None else None
-        x = self.embed(idx)
+        x = self.embed_tokens(idx, kv_cache)
         if position_ids is None:
             position_ids = torch.arange(start, start + L, device=idx.device)
             seq_len = seq_len or start + L
@@ -245,6 +247,20 @@ class Llama(nn.Module):
         if targets is not None:
             return self.lm_head.loss(x, targets)
         return self.lm_head(x)
+
+    def embed_tokens(self, idx: torch.Tensor, kv_cache: KVCache | SlotWrite | None = None) -> torch.Tensor:
+        """idx: (B, L) ids -> (B, L, C) embeddings; with `mix_previous_token`, each plus the gate times its
+        predecessor's embedding (zero for the first token, and after padding). With a cache the
+        predecessor of the first new token is read from it, and idx is recorded there."""
+        x = self.embed(idx)
+        if not self.config.mix_previous_token:
+            return x
+        if kv_cache is None:
+            previous = F.pad(x[:, :-1], (0, 0, 1, 0))  # (B, L, C): zeros before the first token
+        else:
+            ids, exists = kv_cache.previous_tokens(idx)
+            previous = self.embed(ids) * exists[..., None]
+        return x + self.previous_token_gate * previous
 
     def positions(
         self,

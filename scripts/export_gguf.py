@@ -31,7 +31,7 @@ from inference.cli import one_sentence_errors
 from model.config import ModelConfig
 from model.hf import (
     ExportError,
-    check_no_extension,
+    check_expressible,
     half_to_interleaved,
     hf_rope_parameters,
     to_hf_state_dict,
@@ -183,7 +183,7 @@ def gguf_writer(
     """The whole GGUF file in memory, for `save`; raises ExportError (one sentence) for what llama.cpp
     cannot run, before anything touches the disk."""
     check_dtype(dtype)
-    check_no_extension(cfg, "a GGUF file")
+    check_expressible(cfg, "a GGUF file")
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[ARCH])
     tokens, types, merges = gguf_vocab(tokenizer, cfg.vocab_size)
     rope_freqs = add_rope(writer, cfg.rope, cfg.head_dim)

@@ -2,6 +2,7 @@
 
     python scripts/induction_probe.py                          # model=small's shape, 1500 steps
     python scripts/induction_probe.py steps=3000 lr=1e-3 seq_len=128 batch_size=16 repeats=2
+    python scripts/induction_probe.py alphabet=128 optim=muon lr=3e-3 mix_previous_token=true steps=800
 
 Trains a fresh decoder on synthetic windows only: random-token segments (8-24 tokens, uniform over the
 vocabulary) that each occur `repeats` times in shuffled order, so a repeated segment sits at a varying
@@ -29,21 +30,26 @@ from omegaconf import OmegaConf
 from inference.cli import USER_ERRORS, one_sentence_errors
 from model.config import ModelConfig
 from model.llama import Llama
+from training.optim import OptimConfig, build_optimizer
 
 
 @dataclass
 class ProbeConfig:
     steps: int = 1500
-    lr: float = 1e-3  # AdamW, constant after `warmup` steps
+    optim: str = "adamw"  # or "muon" (training/optim.py: Muon on the blocks' matrices, AdamW on the rest)
+    lr: float = 1e-3  # AdamW's, constant after `warmup` steps
+    muon_lr: float = 0.02
     warmup: int = 20
     batch_size: int = 16
     seq_len: int = 128
     repeats: int = 2  # occurrences of each segment in a window
     vocab_size: int = 4096
+    alphabet: int = 0  # segments draw from token ids 2 .. 2 + alphabet - 1; 0 = every id but BOS/EOS
     d_model: int = 256  # model=small's shape
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: int = 4
+    mix_previous_token: bool = False  # model.mix_previous_token: the previous token's embedding mixed in
     every: int = 50
     threshold: float = 0.5
     seed: int = 0
@@ -55,7 +61,10 @@ def repeat_windows(rng: np.random.Generator, cfg: ProbeConfig) -> tuple[torch.Te
     for _ in range(cfg.batch_size):
         tokens = []
         while len(tokens) < cfg.seq_len + 1:
-            segments = [rng.integers(2, cfg.vocab_size, size=int(rng.integers(8, 25))) for _ in range(4)]
+            segments = [
+                rng.integers(2, 2 + (cfg.alphabet or cfg.vocab_size - 2), size=int(rng.integers(8, 25)))
+                for _ in range(4)
+            ]
             for i in rng.permutation(np.repeat(np.arange(len(segments)), cfg.repeats)):
                 tokens += segments[i].tolist()
         tokens = tokens[: cfg.seq_len + 1]
@@ -74,10 +83,17 @@ def run(cfg: ProbeConfig) -> int | None:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if not 0 <= cfg.alphabet <= cfg.vocab_size - 2:
+        raise ValueError(
+            f"alphabet must lie in [0, vocab_size - 2 = {cfg.vocab_size - 2}], got {cfg.alphabet}."
+        )
     torch.manual_seed(cfg.seed)
-    shape = {k: getattr(cfg, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")}
+    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mix_previous_token")
+    shape = {k: getattr(cfg, k) for k in keys}
     model = Llama(ModelConfig(**shape))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = build_optimizer(
+        model, OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=0.0, muon_lr=cfg.muon_lr), fused=False
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     rng, start, formed = np.random.default_rng(cfg.seed), time.time(), None
     for step in range(1, cfg.steps + 1):

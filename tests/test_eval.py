@@ -388,7 +388,9 @@ def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, ca
         trials = list(csv.DictReader(f))
     assert len(trials) == 2 * 2 * 2 * 2 * 2 and {t["method"] for t in trials} == {"none", "yarn"}
     assert {t["task"] for t in trials} == {"passkey", "multikey"}
-    assert sorted(t["trial"] for t in trials) == ["0"] * 16 + ["1"] * 16  # each prompt's index within its cell
+    assert (
+        sorted(t["trial"] for t in trials) == ["0"] * 16 + ["1"] * 16
+    )  # each prompt's index within its cell
     assert {t["factor"] for t in trials if t["method"] == "yarn" and t["length"] == "320"} == {str(320 / L0)}
     with open(tmp_path / "accuracy.csv") as f:
         by_length = list(csv.DictReader(f))

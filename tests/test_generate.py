@@ -666,3 +666,22 @@ def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path
         cpu_decode.library.cache_clear()  # later tests load the regular build again
     for step, (a, b) in enumerate(zip(native, full)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5, msg=f"step {step}")
+
+
+def test_previous_token_mixing_generates_alike_on_every_path():
+    """Eager, compiled and left-padded batched decoding of a model with mix_previous_token give the
+    greedy tokens of the full forward; the C step refuses it in one sentence."""
+    model = tiny(97, init_std=0.3, mix_previous_token=True)
+    prompts = [[5, 9, 11, 30, 2, 7, 64, 8], [40, 3, 17]]
+    expected = []
+    for prompt in prompts:
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(10):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        expected.append(seq[len(prompt) :])
+    assert generate(model, prompts, 10, GREEDY).tokens == expected
+    assert generate(model, prompts, 10, GREEDY, compile=True).tokens == expected
+    with pytest.raises(GenerationError) as e:
+        generate(model, prompts[:1], 4, GREEDY, native=True)
+    assert str(e.value) == "native decoding does not implement model.mix_previous_token; use compile=true."

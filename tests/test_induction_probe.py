@@ -27,3 +27,13 @@ def test_probe_runs_and_reports(capsys):
     assert out.count("copy accuracy") == 3 and "stayed below 101% for 2 steps (128 tokens)" in out
     with pytest.raises(ValueError, match="steps must be a positive integer, got 0"):
         run(ProbeConfig(steps=0))
+    with pytest.raises(ValueError, match=r"alphabet must lie in \[0, vocab_size - 2 = 254\], got 300"):
+        run(ProbeConfig(vocab_size=256, alphabet=300))
+
+
+def test_small_alphabet_and_previous_token_mixing_reach_the_model():
+    cfg = ProbeConfig(batch_size=2, seq_len=64, alphabet=10)
+    windows, _ = repeat_windows(np.random.default_rng(0), cfg)
+    assert int(windows.min()) >= 2 and int(windows.max()) < 12
+    assert run(ProbeConfig(steps=1, every=1, batch_size=2, seq_len=64, vocab_size=64, d_model=32, n_layers=1,
+                           n_heads=2, n_kv_heads=1, mix_previous_token=True, optim="muon")) is None  # fmt: skip

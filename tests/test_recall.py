@@ -144,3 +144,40 @@ def test_experiment_composes(tmp_path):
     assert cfg.data.recall.fraction > 0
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
     assert "NOT YET WORKING" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
+
+
+def test_copy_windows_repeat_text_spans_and_numbers_at_varying_distances(tok):
+    mixer = RecallMixer(tok, RecallConfig.from_options({"copy_fraction": 1.0}), 257)
+    text = np.arange(500, 757, dtype=np.int64)  # distinct ids, none a digit or a space
+    window = mixer.copy_window(np.random.default_rng(0), text)
+    assert window.shape == (257,) and window.dtype == np.int64
+    numbers = re.findall(r" \d{5}", tok.decode([t for t in window.tolist() if t not in set(text)]))
+    assert any(numbers.count(v) == 2 for v in numbers)  # a number and its repeat
+    texts = window[np.isin(window, text)]
+    distances = set()
+    for t in range(1, len(texts)):
+        earlier = np.flatnonzero(texts[:t] == texts[t])
+        if len(earlier):
+            distances.add(t - int(earlier[-1]))
+    assert len(distances) >= 3  # text spans repeat at several distances: no fixed offset to learn
+    repeated = np.mean([bool((texts[:t] == texts[t]).any()) for t in range(len(texts))])
+    assert 0.3 < repeated < 0.7  # about half the text repeats what came before
+    assert np.array_equal(mixer.copy_window(np.random.default_rng(0), text), window)
+
+
+def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
+    config = RecallConfig.from_options({"fraction": 0.25, "copy_fraction": 1.0, "seed": 1})
+    mixer = RecallMixer(tok, config, 257)
+    x = torch.arange(16 * 256).view(16, 256) % (tok.vocab_size - 2) + 2
+    y = x + 1
+    mixed, _ = mixer.mix(0, x, y)
+    recall_rows = [
+        r
+        for r in range(16)
+        if re.search(r" is \d{5}$", tok.decode(torch.cat([mixed[r], _[r, -1:]]).tolist()))
+    ]
+    others = [r for r in range(16) if r not in recall_rows]
+    assert recall_rows and others  # x's rows have no repeated token: a copy window repeats about half
+    assert all(len(set(mixed[r].tolist())) < 0.7 * 256 for r in others)
+    with pytest.raises(DataError, match="data.recall.copy_fraction must lie in"):
+        RecallConfig.from_options({"copy_fraction": -0.1})
