@@ -143,7 +143,8 @@ def test_experiment_composes(tmp_path):
     cfg = compose_train(["experiment=recall_base"], tmp_path / "run")
     assert cfg.data.recall.fraction > 0
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
-    assert "NOT YET WORKING" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
+    assert cfg.model.mix_previous_token and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
+    assert "NOT YET MET" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
 
 
 def test_copy_windows_repeat_text_spans_and_numbers_at_varying_distances(tok):
