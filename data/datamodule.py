@@ -156,7 +156,7 @@ class TextDataModule(L.LightningDataModule):
         if self.train_set is None:
             mixer = (
                 RecallMixer(cache.tokenizer, self.recall, self.max_len + 1)
-                if self.recall.fraction > 0
+                if self.recall.fraction > 0 or self.recall.copy_fraction > 0
                 else None
             )
             self.train_set = RandomWindows(

@@ -182,3 +182,13 @@ def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
     assert all(len(set(mixed[r].tolist())) < 0.7 * 256 for r in others)
     with pytest.raises(DataError, match="data.recall.copy_fraction must lie in"):
         RecallConfig.from_options({"copy_fraction": -0.1})
+
+
+def test_copy_windows_alone_turn_the_mixer_on(tmp_path):
+    corpus = small_corpus(tmp_path / "corpus")
+    dm = TextDataModule(source={"kind": "text_files", "paths": corpus}, max_len=256, batch_size=8,
+                        vocab_size=1024, cache_dir=str(tmp_path / "cache"), recall={"copy_fraction": 1.0})  # fmt: skip
+    dm.prepare_data()
+    dm.setup("fit")
+    x, _ = dm.train_set.batch(0)
+    assert all(len(set(row.tolist())) < 0.8 * 256 for row in x)  # every row repeats about half its tokens
