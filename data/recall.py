@@ -24,6 +24,9 @@ Design, and why:
   `min_pairs` to `max_pairs`, and facts move from the window's last quarter (short distance) to
   anywhere in it.
 
+- Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
+  twice at varying distances, teach the content matching (an induction head) that recall relies on.
+
 Everything is a pure function of (recall seed, batch index), so batches stay resumable.
 """
 

@@ -23,8 +23,8 @@ class ModelConfig:
     init_std: float = 0.02
     # Add a learned per-channel gate times the previous token's embedding to each token's embedding
     # (Olsson et al. 2022's "smeared keys", at the input): one attention layer can then match a token
-    # against its predecessors, so a copy (induction) head forms in hundreds of steps rather than
-    # ~10^7 tokens. transformers' Llama cannot express it (export refuses). docs/data.md, Recall windows.
+    # against its predecessors, so a copy (induction) head forms without the long plateau of a
+    # two-layer circuit. transformers' Llama cannot express it (export refuses). docs/data.md, Recall windows.
     mix_previous_token: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
