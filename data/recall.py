@@ -22,7 +22,8 @@ Design, and why:
   the word lists avoid their words (no "pass", "key", "grass", "sky", ...); tests check it.
 - Curriculum: over the first `curriculum_batches` batches the largest number of facts grows from
   `min_pairs` to `max_pairs`, and facts move from the window's last quarter (short distance) to
-  anywhere in it.
+  anywhere in it; then 30% of windows put a fact in the first tenth (`FAR_SHARE`), the passkey's
+  distance at depth 0.
 
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
@@ -62,6 +63,9 @@ TEMPLATES = (
 QUESTIONS = ("What is the {tag}?", "Which number goes with the {tag}?", "Tell me the {tag}.", "")
 VALUE_RANGE = (10_000, 100_000)  # 5-digit values, like the passkey's keys
 START_FRACTION = 0.75  # at the start of the curriculum, facts go into the window's last quarter
+# Share of windows (at full curriculum) whose first fact goes into the haystack's first FAR_SPAN: the
+# passkey at depth 0 sits a whole window back, a distance uniform placement seldom trains.
+FAR_SHARE, FAR_SPAN = 0.3, 0.1
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,9 @@ class RecallMixer:
         line_starts = starts[(starts == 0) | self.ends_line[hay[np.maximum(starts - 1, 0)]]]
         candidates = line_starts if len(line_starts) else starts
         at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
+        if rng.random() < FAR_SHARE * progress:
+            early = candidates[candidates <= FAR_SPAN * n_hay]
+            at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
         pieces, prev = [], 0
         for pos, statement in zip(at, statements):
             pieces += [hay[prev:pos], np.asarray(statement, dtype=np.int64)]

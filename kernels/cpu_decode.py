@@ -145,9 +145,9 @@ def check_supported(model, cache) -> None:
         raise NativeDecodeUnavailable(
             f"native decoding does not implement extend={model.config.extend.method}; use compile=true."
         )
-    if model.config.mix_previous_token:
+    if model.config.mix_previous_tokens:
         raise NativeDecodeUnavailable(
-            "native decoding does not implement model.mix_previous_token; use compile=true."
+            "native decoding does not implement model.mix_previous_tokens; use compile=true."
         )
     if model.training and model.config.dropout > 0:
         raise NativeDecodeUnavailable("native decoding has no dropout; call model.eval() first.")

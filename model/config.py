@@ -21,11 +21,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
-    # Add a learned per-channel gate times the previous token's embedding to each token's embedding
-    # (Olsson et al. 2022's "smeared keys", at the input): one attention layer can then match a token
-    # against its predecessors, so a copy (induction) head forms without the long plateau of a
-    # two-layer circuit. transformers' Llama cannot express it (export refuses). docs/data.md, Recall windows.
-    mix_previous_token: bool = False
+    # Add learned per-channel gates times the embeddings of the n preceding tokens to each token's
+    # embedding (Olsson et al. 2022's "smeared keys", at the input; a short causal convolution): one
+    # attention layer can then match a token's context against earlier ones, so a copy (induction)
+    # head forms without the long plateau of a two-layer circuit; n = 2 matches on two tokens, which
+    # copying digits needs when a digit repeats. transformers' Llama cannot express it (export refuses).
+    # docs/data.md, Recall windows. 0 = off.
+    mix_previous_tokens: int = 0
     rope: RopeConfig = field(default_factory=RopeConfig)
     extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
 
@@ -50,6 +52,9 @@ class ModelConfig:
                 f"model head dim d_model/n_heads = {self.head_dim} must be even for RoPE; "
                 f"change d_model ({self.d_model}) or n_heads ({self.n_heads})."
             )
+        mix = self.mix_previous_tokens
+        if isinstance(mix, bool) or not isinstance(mix, int) or mix < 0:
+            raise ValueError(f"model mix_previous_tokens must be an integer >= 0 (0 = off), got {mix!r}.")
         if self.ffn_hidden is None:
             hidden = int(8 * self.d_model / 3)
             self.ffn_hidden = -(-hidden // self.ffn_multiple_of) * self.ffn_multiple_of

@@ -84,9 +84,9 @@ def check_expressible(cfg: ModelConfig, target: str) -> None:
             f"extend={cfg.extend.method} cannot be exported: {target} cannot express Self-Extend or log-n attention, "
             "so the exported model would compute something else."
         )
-    if cfg.mix_previous_token:
+    if cfg.mix_previous_tokens:
         raise ExportError(
-            f"model.mix_previous_token=true cannot be exported: {target} has no previous-token input mixing, "
+            f"model.mix_previous_tokens={cfg.mix_previous_tokens} cannot be exported: {target} has no previous-token input mixing, "
             "so the exported model would compute something else."
         )
 

@@ -5,9 +5,9 @@ Keys are stored after rotation, so decoding never re-rotates old keys. With Self
 (model/extend.py) a cache built for the model (`for_model`, `grouped=True`) also stores every key
 rotated at its grouped position, in a second key buffer of the same size, and each slot's position,
 which the neighbour / grouped choice reads: a key's grouped rotation never changes, so it is
-written once like the other. A model with `mix_previous_token` needs the id before each new token:
+written once like the other. A model with `mix_previous_tokens` needs the ids before each new token:
 a cache built for it (`token_ids=True`) keeps every slot's token id, so chunked prefill, one-token
-steps and `rewind` all find a token's predecessor (and whether it is padding).
+steps and `rewind` all find a token's predecessors (and whether they are padding).
 
 Two ways to write, chosen by what the caller hands the model as its cache:
 - the KVCache itself: `update` appends at the Python-int `length` and attention covers the filled
@@ -118,7 +118,7 @@ class KVCache:
             dtype=weight.dtype,
             seq_len=seq_len,
             grouped=config.extend.self_extend,
-            token_ids=config.mix_previous_token,
+            token_ids=config.mix_previous_tokens > 0,
         )
 
     @staticmethod
@@ -132,7 +132,7 @@ class KVCache:
             config.head_dim,
             dtype,
             config.extend.self_extend,
-            config.mix_previous_token,
+            config.mix_previous_tokens > 0,
         )
 
     @property
@@ -192,11 +192,11 @@ class KVCache:
         self.positions[:, start:end] = position_ids
         return self.positions[:, :end]
 
-    def previous_tokens(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the ids idx: (B, L) of the next L slots; return each one's predecessor id (B, L) and
-        whether it has one (B, L) bool: False at slot 0 and after a padding slot."""
+    def previous_tokens(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the ids idx: (B, L) of the next L slots; return the ids 1..n slots before each (B, L, n)
+        and whether each exists (B, L, n) bool: False before slot 0 and on padding slots."""
         return previous_tokens(
-            self, idx, torch.arange(self.length, self.length + idx.shape[1], device=idx.device)
+            self, idx, torch.arange(self.length, self.length + idx.shape[1], device=idx.device), n
         )
 
     def next_slot(self) -> torch.Tensor:
@@ -246,9 +246,9 @@ class SlotWrite:
         self.cache.positions[:, self.slot] = position_ids
         return self.cache.positions
 
-    def previous_tokens(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def previous_tokens(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KVCache.previous_tokens for the one token per row idx: (B, 1) at `slot`."""
-        return previous_tokens(self.cache, idx, self.slot)
+        return previous_tokens(self.cache, idx, self.slot, n)
 
     def mask(self) -> torch.Tensor:
         """(B|1, 1, 1, capacity) bool attention mask: the slots written so far, padding excluded."""
@@ -259,17 +259,18 @@ class SlotWrite:
 
 
 def previous_tokens(
-    cache: KVCache, idx: torch.Tensor, slots: torch.Tensor
+    cache: KVCache, idx: torch.Tensor, slots: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write idx: (B, L) at the (L,) long `slots` of `cache.token_ids`; return the ids at slots - 1
-    (B, L) and (B, L) bool: a predecessor exists (slot > 0) and is not padding."""
+    """Write idx: (B, L) at the (L,) long `slots` of `cache.token_ids`; return the ids at slots - 1 ..
+    slots - n (B, L, n) and (B, L, n) bool: that slot exists (>= 0) and is not padding."""
     if cache.token_ids is None:
         raise ValueError(
-            "This KV cache keeps no token ids; build it with KVCache.for_model for a model with mix_previous_token."
+            "This KV cache keeps no token ids; build it with KVCache.for_model for a model with mix_previous_tokens."
         )
     cache.token_ids[:, slots] = idx
-    before = (slots - 1).clamp(min=0)
-    exists = (slots > 0).expand_as(idx)
+    before = slots[:, None] - torch.arange(1, n + 1, device=slots.device)  # (L, n)
+    exists = (before >= 0).expand(idx.shape[0], -1, -1)
+    before = before.clamp(min=0)
     if cache.key_mask is not None:
         exists = exists & cache.key_mask[:, before]
     return cache.token_ids[:, before], exists

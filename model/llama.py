@@ -153,8 +153,8 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if cfg.mix_previous_token:  # (C,) gate of the predecessor's embedding (ModelConfig says why)
-            self.previous_token_gate = nn.Parameter(torch.ones(cfg.d_model))
+        if cfg.mix_previous_tokens:  # (n, C): row i gates the embedding i + 1 back (ModelConfig says why)
+            self.previous_token_gates = nn.Parameter(torch.ones(cfg.mix_previous_tokens, cfg.d_model))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)  # the one instance all layers share
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -249,18 +249,20 @@ class Llama(nn.Module):
         return self.lm_head(x)
 
     def embed_tokens(self, idx: torch.Tensor, kv_cache: KVCache | SlotWrite | None = None) -> torch.Tensor:
-        """idx: (B, L) ids -> (B, L, C) embeddings; with `mix_previous_token`, each plus the gate times its
-        predecessor's embedding (zero for the first token, and after padding). With a cache the
-        predecessor of the first new token is read from it, and idx is recorded there."""
+        """idx: (B, L) ids -> (B, L, C) embeddings; with `mix_previous_tokens` = n, each plus
+        sum_i gates[i] * the embedding of the token i + 1 back (zero before the first token and over
+        padding). With a cache the predecessors of the first new tokens are read from it, and idx is
+        recorded there."""
         x = self.embed(idx)
-        if not self.config.mix_previous_token:
+        n = self.config.mix_previous_tokens
+        if not n:
             return x
-        if kv_cache is None:
-            previous = F.pad(x[:, :-1], (0, 0, 1, 0))  # (B, L, C): zeros before the first token
+        if kv_cache is None:  # (B, L, n, C): embedding i + 1 back, zeros before the first token
+            previous = torch.stack([F.pad(x[:, : x.shape[1] - i], (0, 0, i, 0)) for i in range(1, n + 1)], 2)
         else:
-            ids, exists = kv_cache.previous_tokens(idx)
+            ids, exists = kv_cache.previous_tokens(idx, n)
             previous = self.embed(ids) * exists[..., None]
-        return x + self.previous_token_gate * previous
+        return x + (self.previous_token_gates * previous).sum(2)
 
     def positions(
         self,

@@ -2,13 +2,13 @@
 
     python scripts/induction_probe.py                          # model=small's shape, 1500 steps
     python scripts/induction_probe.py steps=3000 lr=1e-3 seq_len=128 batch_size=16 repeats=2
-    python scripts/induction_probe.py alphabet=128 optim=muon lr=3e-3 mix_previous_token=true steps=800
+    python scripts/induction_probe.py alphabet=128 optim=muon lr=3e-3 mix_previous_tokens=1 steps=800
 
 Trains a fresh decoder on synthetic windows only: random-token segments (8-24 tokens, uniform over the
 vocabulary) that each occur `repeats` times in shuffled order, so a repeated segment sits at a varying
 distance from its first occurrence and only content matching (an induction head) predicts it; a
 fixed offset would let a positional head solve the task without generalising. Prints the loss and the
-copy accuracy (argmax on every target whose (token, target) bigram occurred earlier in the window) every
+copy accuracy (argmax on every target inside a repeated segment, after its first token) every
 `every` steps, and the first step at which copy accuracy passes `threshold`. docs/data.md (Recall
 windows) explains why this is the bottleneck of a retrieval-capable base model.
 """
@@ -49,7 +49,7 @@ class ProbeConfig:
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: int = 4
-    mix_previous_token: bool = False  # model.mix_previous_token: the previous token's embedding mixed in
+    mix_previous_tokens: int = 0  # model.mix_previous_tokens: the n preceding tokens' embeddings mixed in
     every: int = 50
     threshold: float = 0.5
     seed: int = 0
@@ -59,21 +59,19 @@ def repeat_windows(rng: np.random.Generator, cfg: ProbeConfig) -> tuple[torch.Te
     """(B, seq_len + 1) token windows and the (B, seq_len) mask of the targets a copy predicts."""
     windows, masks = [], []
     for _ in range(cfg.batch_size):
-        tokens = []
+        tokens, repeat = [], []  # repeat[t]: token t continues a segment already seen whole before
         while len(tokens) < cfg.seq_len + 1:
             segments = [
                 rng.integers(2, 2 + (cfg.alphabet or cfg.vocab_size - 2), size=int(rng.integers(8, 25)))
                 for _ in range(4)
             ]
+            seen = set()
             for i in rng.permutation(np.repeat(np.arange(len(segments)), cfg.repeats)):
                 tokens += segments[i].tolist()
-        tokens = tokens[: cfg.seq_len + 1]
-        seen, copyable = set(), []
-        for bigram in zip(tokens, tokens[1:]):  # a target is copyable if this bigram occurred before
-            copyable.append(bigram in seen)
-            seen.add(bigram)
-        windows.append(tokens)
-        masks.append(copyable)
+                repeat += [False] + [i in seen] * (len(segments[i]) - 1)  # a segment's first token is new
+                seen.add(i)
+        windows.append(tokens[: cfg.seq_len + 1])
+        masks.append(repeat[1 : cfg.seq_len + 1])  # per target
     return torch.tensor(windows), torch.tensor(masks)
 
 
@@ -88,7 +86,7 @@ def run(cfg: ProbeConfig) -> int | None:
             f"alphabet must lie in [0, vocab_size - 2 = {cfg.vocab_size - 2}], got {cfg.alphabet}."
         )
     torch.manual_seed(cfg.seed)
-    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mix_previous_token")
+    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mix_previous_tokens")
     shape = {k: getattr(cfg, k) for k in keys}
     model = Llama(ModelConfig(**shape))
     opt = build_optimizer(

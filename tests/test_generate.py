@@ -669,9 +669,9 @@ def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path
 
 
 def test_previous_token_mixing_generates_alike_on_every_path():
-    """Eager, compiled and left-padded batched decoding of a model with mix_previous_token give the
+    """Eager, compiled and left-padded batched decoding of a model with mix_previous_tokens give the
     greedy tokens of the full forward; the C step refuses it in one sentence."""
-    model = tiny(97, init_std=0.3, mix_previous_token=True)
+    model = tiny(97, init_std=0.3, mix_previous_tokens=2)
     prompts = [[5, 9, 11, 30, 2, 7, 64, 8], [40, 3, 17]]
     expected = []
     for prompt in prompts:
@@ -684,4 +684,4 @@ def test_previous_token_mixing_generates_alike_on_every_path():
     assert generate(model, prompts, 10, GREEDY, compile=True).tokens == expected
     with pytest.raises(GenerationError) as e:
         generate(model, prompts[:1], 4, GREEDY, native=True)
-    assert str(e.value) == "native decoding does not implement model.mix_previous_token; use compile=true."
+    assert str(e.value) == "native decoding does not implement model.mix_previous_tokens; use compile=true."

@@ -65,9 +65,9 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(name, n_kv_heads):
     assert cache.length == 40
 
 
-@pytest.mark.parametrize("mix_previous_token", [False, True])
-def test_kv_cache_multi_token_chunks_equal_full_forward(mix_previous_token):
-    model = mixing_model() if mix_previous_token else tiny()
+@pytest.mark.parametrize("mix_previous_tokens", [0, 1, 3])
+def test_kv_cache_multi_token_chunks_equal_full_forward(mix_previous_tokens):
+    model = mixing_model(mix_previous_tokens) if mix_previous_tokens else tiny()
     idx = torch.randint(0, 97, (1, 60))
     with torch.no_grad():
         full = model(idx)
@@ -205,26 +205,31 @@ def test_config_dict_round_trip():
         ModelConfig.from_dict({**cfg.to_dict(), "bogus": 1})
 
 
-def mixing_model() -> Llama:
-    """A tiny model with previous-token mixing and a random (not all-ones) gate."""
-    model = tiny(init_std=0.3, mix_previous_token=True)
+def mixing_model(n: int = 2) -> Llama:
+    """A tiny model mixing in the n preceding tokens, with random (not all-ones) gates."""
+    model = tiny(init_std=0.3, mix_previous_tokens=n)
     with torch.no_grad():
-        model.previous_token_gate.normal_()
+        model.previous_token_gates.normal_()
     return model
 
 
-def test_previous_token_mixing_is_the_gated_predecessor_embedding():
-    model = mixing_model()
+def test_previous_token_mixing_is_the_gated_predecessor_embeddings():
+    model = mixing_model(2)
     idx = torch.randint(0, 97, (2, 9))
-    e, gate = model.embed(idx), model.previous_token_gate
-    expected = e + gate * torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], dim=1)
-    torch.testing.assert_close(model.embed_tokens(idx), expected, atol=0, rtol=0)
-    assert "previous_token_gate" not in tiny().state_dict()  # off: the model is unchanged
+    e, gates = model.embed(idx), model.previous_token_gates
+    zero = torch.zeros_like(e[:, :1])
+    one_back, two_back = torch.cat([zero, e[:, :-1]], dim=1), torch.cat([zero, zero, e[:, :-2]], dim=1)
+    expected = e + gates[0] * one_back + gates[1] * two_back
+    torch.testing.assert_close(model.embed_tokens(idx), expected, atol=1e-6, rtol=0)
+    assert "previous_token_gates" not in tiny().state_dict()  # off: the model is unchanged
+    with pytest.raises(ValueError, match="mix_previous_tokens must be an integer >= 0 .0 = off., got True"):
+        ModelConfig(vocab_size=97, mix_previous_tokens=True)
 
 
-def test_previous_token_mixing_steps_rewind_and_padding_equal_full_forward():
-    """One-token steps, rewind and left padding find each token's predecessor (chunks: above)."""
-    model = mixing_model()
+@pytest.mark.parametrize("n", [1, 2])
+def test_previous_token_mixing_steps_rewind_and_padding_equal_full_forward(n):
+    """One-token steps, rewind and left padding find each token's predecessors (chunks: above)."""
+    model = mixing_model(n)
     idx = torch.randint(1, 97, (2, 23))
     with torch.no_grad():
         full = model(idx)
@@ -260,6 +265,6 @@ def test_export_refuses_previous_token_mixing():
     with pytest.raises(ExportError) as e:
         hf_config_dict(mixing_model().config)
     assert str(e.value) == (
-        "model.mix_previous_token=true cannot be exported: transformers' Llama has no previous-token input "
+        "model.mix_previous_tokens=2 cannot be exported: transformers' Llama has no previous-token input "
         "mixing, so the exported model would compute something else."
     )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import DataError, TextDataModule
+from data import DataError, TextDataModule, recall
 from data.recall import ADJECTIVES, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
 from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
@@ -92,6 +92,24 @@ def test_curriculum_starts_short_and_small(tok):
     assert min(start(w) for w in early) > max(start(w) for w in late) / 2  # early facts sit late
 
 
+def test_full_curriculum_puts_some_facts_a_whole_window_back(tok, monkeypatch):
+    """FAR_SHARE of the windows (one fact each here) hold it in the haystack's first tenth, the passkey's
+    distance at depth 0; uniform placement alone puts about a tenth there."""
+    mixer = RecallMixer(
+        tok, RecallConfig.from_options({"fraction": 1.0, "min_pairs": 1, "max_pairs": 1}), 257
+    )
+
+    def share_in_first_tenth() -> float:
+        rng = np.random.default_rng(0)
+        found = [mixer.window(rng, haystack(tok, 257)) for _ in range(300)]
+        texts = [(tok.decode(w.tokens.tolist()), w.facts[0][0]) for w in found]
+        return np.mean([text.index(f"{tag} is") < 0.1 * len(text) for text, tag in texts])
+
+    with_far = share_in_first_tenth()
+    monkeypatch.setattr(recall, "FAR_SHARE", 0.0)
+    assert share_in_first_tenth() < 0.2 < 0.3 < with_far
+
+
 def test_options_are_checked():
     assert RecallConfig.from_options(None).fraction == 0.0
     with pytest.raises(DataError, match=r"data.recall keys \['fration'\] are unknown"):
@@ -143,7 +161,7 @@ def test_experiment_composes(tmp_path):
     cfg = compose_train(["experiment=recall_base"], tmp_path / "run")
     assert cfg.data.recall.fraction > 0
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
-    assert cfg.model.mix_previous_token and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
+    assert cfg.model.mix_previous_tokens and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
     assert "NOT YET MET" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
 
 
