@@ -56,7 +56,7 @@ class StudyConfig:
     out: str = "runs/study"
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
     seeds: int = 3  # base models trained with seeds 0..seeds-1 (seed, data order and recall data differ)
-    recipe: str | None = None  # experiment= for the base models (e.g. recall_base); null = the default job
+    recipe: str | None = None  # experiment= of every trained model (e.g. recall_base); null: default job
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
     base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
@@ -267,12 +267,18 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     lengths = SMOKE_LENGTHS if cfg.smoke else list(cfg.lengths)
     retrieval_lengths = SMOKE_RETRIEVAL_LENGTHS if cfg.smoke else list(cfg.retrieval_lengths or lengths)
     # smoke trains at max_len 32, too short for recall windows: the recipe is a full-size choice
-    recipe = [f"experiment={cfg.recipe}"] if cfg.recipe and not cfg.smoke else []
-    train_args = recipe + (SMOKE_TRAIN if cfg.smoke else []) + train_extra
+    recipe = [cfg.recipe] if cfg.recipe and not cfg.smoke else []
+    train_args = (SMOKE_TRAIN if cfg.smoke else []) + train_extra
     extend_args = SMOKE_EXTEND if cfg.smoke else []
     base_len = 32 if cfg.smoke else 256
     threads = [f"threads={cfg.threads if cfg.threads is not None else 'null'}"]
     as_list = lambda xs: "[" + ",".join(map(str, xs)) + "]"  # noqa: E731
+
+    def experiment(*names: str) -> list[str]:
+        """One experiment= override, the recipe first: Hydra merges a list in order, while a second
+        experiment= would replace the recipe (a fine-tune would lose e.g. its model.mix_previous_tokens)."""
+        names = (*recipe, *names)
+        return [f"experiment=[{','.join(names)}]"] if names else []
 
     def train(name: str, *args: str) -> Path:
         run_dir = out / "runs" / name
@@ -307,20 +313,17 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
             bases[name] = Path(cfg.base_ckpt)
         else:
             seeds = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
-            bases[name] = train(name, f"data.max_len={base_len}", "rope=none", *seeds)
+            bases[name] = train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeds)
         evaluate(name, bases[name], ZERO_SHOT)
         retrieve(name, bases[name], RETRIEVAL_METHODS)
     extended = {}
     for name, rope in [("pi", []), ("yarn", ["rope=yarn"])]:
         init = resolve_checkpoint(bases["base_s0"])  # init_from takes a .ckpt file
-        extended[name] = train(name, "experiment=extend_context", f"init_from={init}", *rope, *extend_args)
+        extended[name] = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
         evaluate(name, extended[name], "[ckpt]")
         retrieve(name, extended[name], "[ckpt]")
-    large = (
-        Path(cfg.large_base_ckpt)
-        if cfg.large_base_ckpt
-        else train("large_base", f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
-    )
+    large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
+    large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
     evaluate("large_base", large, "[none]")
     summarise(cfg, out, [*bases, *extended, "large_base"], base_len)
 

@@ -512,6 +512,35 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
         study.run(study.StudyConfig(out=str(tmp_path)), [])
 
 
+def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
+    """With recipe=recall_base the PI/YaRN fine-tunes start from a base with previous-token mixing, so
+    their composed config must keep the recipe's model (and data) settings and add extend_context's."""
+    commands = []
+
+    def fake_run(command, cwd):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1)  # stop the study after this step
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    base = tmp_path / "runs" / "base_s0"
+    base.mkdir(parents=True)
+    (base / study.TRAINED).touch()
+    for corpus in ("own", "kjv"):  # base_s0's evaluations and retrieval are done: the PI fine-tune runs next
+        (tmp_path / "eval" / corpus / "base_s0").mkdir(parents=True)
+        (tmp_path / "eval" / corpus / "base_s0" / "windows.csv").touch()
+    (tmp_path / "retrieval" / "base_s0").mkdir(parents=True)
+    (tmp_path / "retrieval" / "base_s0" / "trials.csv").touch()
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    with pytest.raises(RuntimeError, match="step 'train pi' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base"), [])
+    overrides = [c for c in commands[-1][2:] if not c.startswith(("hydra.", "init_from="))]
+    assert overrides == ["experiment=[recall_base,extend_context]"]
+    cfg = compose_train(overrides, tmp_path / "pi")
+    assert cfg.model.mix_previous_tokens == 2 and cfg.data.recall.fraction > 0  # the recipe's
+    assert cfg.data.max_len == 1024 and cfg.rope.factor == 4.0  # extend_context's
+    assert cfg.optim.name == "muon" and cfg.optim.muon_lr == 2e-3  # the recipe's optimizer at fine-tune rates
+
+
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     """~6 minutes on 2 shared cores: five tiny trainings (two seeds), eight evaluations on two corpora
