@@ -151,17 +151,18 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
     plt.close(fig)
 
 
-def plot_vs_length(table: list[dict], task: str, path: Path) -> None:
-    """Greedy accuracy vs prompt length, one line per method, shaded by its Wilson 95% interval."""
+def plot_vs_length(table: list[dict], task: str, path: Path, metric: str = "greedy") -> None:
+    """`metric` accuracy (row keys <metric>_acc, _low, _high) vs prompt length, one line per method,
+    shaded by its Wilson 95% interval."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r["method"] for r in table):
         rows = sorted((r for r in table if r["method"] == method), key=lambda r: r["length"])
         lengths = [r["length"] for r in rows]
-        ax.plot(lengths, [r["greedy_acc"] for r in rows], marker="o", label=method)
+        ax.plot(lengths, [r[f"{metric}_acc"] for r in rows], marker="o", label=method)
         ax.fill_between(
-            lengths, [r["greedy_low"] for r in rows], [r["greedy_high"] for r in rows], alpha=0.15
+            lengths, [r[f"{metric}_low"] for r in rows], [r[f"{metric}_high"] for r in rows], alpha=0.15
         )
-    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="greedy accuracy", ylim=(-0.02, 1.02))
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel=f"{metric} accuracy", ylim=(-0.02, 1.02))
     ax.set_xticks(sorted({r["length"] for r in table}), labels=sorted({r["length"] for r in table}))
     ax.set_title(f"{task}: accuracy vs length (bands: Wilson 95%)")
     ax.legend(fontsize=8)

@@ -168,53 +168,62 @@ def orderings(table: list[dict]) -> str:
 # ----------------------------------------------------------------------------- retrieval tables
 
 
+# (name, trials.csv column): the exact answer (greedy decoding), and the key scored above the other
+# candidates (scripts/passkey.py), which separates methods where exact copies are rare
+RETRIEVAL_METRICS = (("greedy", "greedy_correct"), ("ranking", "rank_correct"))
+
+
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
-    """Accuracy per (task, model/method, length) pooled over seeds, with its Wilson 95% interval and
-    the range of the per-seed accuracies; paired differences between the base model's methods on
-    the same prompts (units = prompts, clusters = (seed, depth)). -> (accuracy rows, paired rows, markdown)."""
+    """Greedy and ranking accuracy per (task, model/method, length) pooled over seeds, each with its
+    Wilson 95% interval and the range of the per-seed accuracies; paired differences of each between
+    the base model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
+    -> (accuracy rows, paired rows, markdown)."""
     cells = defaultdict(list)
     for t in trials:
         cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
     accuracy = []
     for (task, method, length), rows in cells.items():
-        correct = sum(r["greedy_correct"] for r in rows)
-        low, high = wilson_interval(correct, len(rows))
-        per_seed = defaultdict(list)
-        for r in rows:
-            per_seed[r["seed"]].append(r["greedy_correct"])
-        seed_acc = [float(np.mean(v)) for v in per_seed.values()]
-        accuracy.append({"task": task, "method": method, "length": length, "trials": len(rows),
-                         "greedy_acc": correct / len(rows), "greedy_low": low, "greedy_high": high,
-                         "seed_min": min(seed_acc), "seed_max": max(seed_acc), "seeds": len(seed_acc)})  # fmt: skip
+        row = {"task": task, "method": method, "length": length, "trials": len(rows)}
+        for name, column in RETRIEVAL_METRICS:
+            correct = sum(r[column] for r in rows)
+            per_seed = defaultdict(list)
+            for r in rows:
+                per_seed[r["seed"]].append(r[column])
+            seed_acc = [float(np.mean(v)) for v in per_seed.values()]
+            low, high = wilson_interval(correct, len(rows))
+            row |= {f"{name}_acc": correct / len(rows), f"{name}_low": low, f"{name}_high": high,
+                    f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
+        accuracy.append(row | {"seeds": len(per_seed)})
     text, paired = [], []
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
-        text += [f"\n### {task}: greedy accuracy, pooled over seeds [Wilson 95%]\n",
-                 "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
-        for method in dict.fromkeys(r["method"] for r in sel):
-            cell = {r["length"]: r for r in sel if r["method"] == method}
-            text.append(f"| {method} | " + " | ".join(
-                f"{cell[t]['greedy_acc']:.0%} [{cell[t]['greedy_low']:.0%}, {cell[t]['greedy_high']:.0%}]"
-                if t in cell else "—" for t in lengths) + " |")  # fmt: skip
-        for length in lengths:
-            base = [
-                t
-                for t in trials
-                if t["task"] == task and t["length"] == length and t["model"].startswith("base")
-            ]
-            by_method = defaultdict(dict)
-            for t in base:
-                by_method[t["method"]][t["seed"], t["depth"], t["trial"]] = t["greedy_correct"]
-            if len(by_method) < 2:
-                continue
-            units = sorted(next(iter(by_method.values())))
-            values = {m: np.array([v[u] for u in units], dtype=float) for m, v in by_method.items()}
-            table = pairwise_table(values, np.array([[u[0], u[1]] for u in units]), higher_is_better=True)
-            paired += [{"task": task, "length": length, **r} for r in table]
-            text.append(
-                f"\n{task}, base models, T = {length}: significant orderings (95%): {orderings(table)}"
-            )
+        for name, column in RETRIEVAL_METRICS:
+            text += [f"\n### {task}: {name} accuracy, pooled over seeds [Wilson 95%]\n",
+                     "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
+            for method in dict.fromkeys(r["method"] for r in sel):
+                cell = {r["length"]: r for r in sel if r["method"] == method}
+                text.append(f"| {method} | " + " | ".join(
+                    f"{cell[t][f'{name}_acc']:.0%} [{cell[t][f'{name}_low']:.0%}, {cell[t][f'{name}_high']:.0%}]"
+                    if t in cell else "—" for t in lengths) + " |")  # fmt: skip
+            for length in lengths:
+                base = [
+                    t
+                    for t in trials
+                    if t["task"] == task and t["length"] == length and t["model"].startswith("base")
+                ]
+                by_method = defaultdict(dict)
+                for t in base:
+                    by_method[t["method"]][t["seed"], t["depth"], t["trial"]] = t[column]
+                if len(by_method) < 2:
+                    continue
+                units = sorted(next(iter(by_method.values())))
+                values = {m: np.array([v[u] for u in units], dtype=float) for m, v in by_method.items()}
+                table = pairwise_table(values, np.array([[u[0], u[1]] for u in units]), higher_is_better=True)
+                paired += [{"task": task, "metric": name, "length": length, **r} for r in table]
+                text.append(
+                    f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}"
+                )
     return accuracy, paired, "\n".join(text) + "\n"
 
 
@@ -369,11 +378,13 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> 
             write_csv(out / "paired_retrieval.csv", paired_retrieval)
         text += ["\n## Retrieval\n", md]
         for task in dict.fromkeys(r["task"] for r in accuracy):
-            plot_vs_length([r for r in accuracy if r["task"] == task], task, out / f"retrieval_{task}.png")
+            rows = [r for r in accuracy if r["task"] == task]
+            plot_vs_length(rows, task, out / f"retrieval_{task}.png")
+            plot_vs_length(rows, task, out / f"retrieval_{task}_ranking.png", metric="ranking")
     (out / "summary.md").write_text("\n".join(text), encoding="utf-8")
     print(
         f"[study] wrote {out / 'summary.md'}, summary.png, paired_ppl.csv"
-        + (", retrieval.csv, paired_retrieval.csv, retrieval_<task>.png" if cfg.retrieval else "")
+        + (", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking].png" if cfg.retrieval else "")
     )
 
 

@@ -617,16 +617,26 @@ def test_study_tables_average_seeds_and_mark_only_significant_orderings():
 
 
 def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
+    """Greedy: yarn always right, none in trial 0 only. Ranking: both rank the key first except in one
+    of none's prompts, so the ranking has no significant ordering."""
     trials = []
     for seed in range(2):
         for depth in (0.0, 0.5, 1.0):
             for trial in range(5):
                 for method, correct in (("yarn", 1), ("none", int(trial == 0))):
+                    ranked = int((method, seed, depth, trial) != ("none", 1, 0.0, 4))
                     trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
-                                   "depth": depth, "trial": trial, "greedy_correct": correct})  # fmt: skip
+                                   "depth": depth, "trial": trial, "greedy_correct": correct, "rank_correct": ranked})  # fmt: skip
     accuracy, paired, text = study.retrieval_tables(trials)
     none = next(r for r in accuracy if r["method"] == "base/none")
     assert none["trials"] == 30 and none["greedy_acc"] == pytest.approx(6 / 30) and none["seeds"] == 2
     assert (none["greedy_low"], none["greedy_high"]) == pytest.approx(wilson_interval(6, 30))
-    assert [r["better"] for r in paired] == ["yarn"] and "orderings (95%): yarn < none" in text
-    assert "| base/yarn | 100% [" in text
+    assert none["ranking_acc"] == pytest.approx(29 / 30)
+    assert (none["ranking_seed_min"], none["ranking_seed_max"]) == pytest.approx((14 / 15, 1.0))
+    assert [(r["metric"], r["better"], r["significant"]) for r in paired] == [
+        ("greedy", "yarn", True),
+        ("ranking", "", False),  # no better method named without significance
+    ]
+    assert "(greedy), base models, T = 512: significant orderings (95%): yarn < none" in text
+    assert "(ranking), base models, T = 512: significant orderings (95%): none" in text
+    assert "| base/yarn | 100% [" in text and "### passkey: ranking accuracy" in text
