@@ -164,6 +164,7 @@ def plot_vs_length(table: list[dict], task: str, path: Path, metric: str = "gree
         )
     ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel=f"{metric} accuracy", ylim=(-0.02, 1.02))
     ax.set_xticks(sorted({r["length"] for r in table}), labels=sorted({r["length"] for r in table}))
+    ax.minorticks_off()  # the log axis' minor labels ("3 x 10^2") overprint the lengths
     ax.set_title(f"{task}: accuracy vs length (bands: Wilson 95%)")
     ax.legend(fontsize=8)
     fig.tight_layout()
