@@ -183,7 +183,8 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
         cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
     accuracy = []
     for (task, method, length), rows in cells.items():
-        row = {"task": task, "method": method, "length": length, "trials": len(rows)}
+        seeds = len({r["seed"] for r in rows})
+        row = {"task": task, "method": method, "length": length, "trials": len(rows), "seeds": seeds}
         for name, column in RETRIEVAL_METRICS:
             correct = sum(r[column] for r in rows)
             per_seed = defaultdict(list)
@@ -193,7 +194,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
             low, high = wilson_interval(correct, len(rows))
             row |= {f"{name}_acc": correct / len(rows), f"{name}_low": low, f"{name}_high": high,
                     f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
-        accuracy.append(row | {"seeds": len(per_seed)})
+        accuracy.append(row)
     text, paired = [], []
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
