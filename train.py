@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from inference.checkpoint import (
     CheckpointError,
     check_weights_fit,
+    differing_settings,
     load_weights,
     model_state_from_checkpoint,
     safe_load,
@@ -67,16 +68,17 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
-def resume_weights(ckpt_path: str) -> dict:
-    """The weights of the checkpoint to resume, read safely (tensors mapped, not read) so that a crafted,
-    foreign or weights-only file is refused before anything is written into the run directory."""
+def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
+    """The weights and saved model_config of the checkpoint to resume, read safely (tensors mapped, not
+    read) so that a crafted, foreign or weights-only file is refused before anything is written into the
+    run directory."""
     ckpt = safe_load(ckpt_path, mmap=True)
     if "optimizer_states" not in ckpt or "pytorch-lightning_version" not in ckpt:
         raise CheckpointError(
             f"ckpt_path {ckpt_path} holds no training state to resume (optimizer, schedule, step); "
             f"pass init_from={ckpt_path} to start a new run from its weights."
         )
-    return model_state_from_checkpoint(ckpt)
+    return model_state_from_checkpoint(ckpt), ckpt.get("model_config")
 
 
 def check_max_steps(max_steps) -> None:
@@ -110,8 +112,9 @@ def setup_run(cfg: DictConfig):
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is None and not cfg.overwrite:
         refuse_to_overwrite(run_dir)
-    resume_state = resume_weights(ckpt_path) if ckpt_path else None
-    init_state = model_state_from_checkpoint(safe_load(cfg.init_from)) if cfg.init_from else None
+    resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
+    init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
+    init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
 
     datamodule = build(cfg.data)
     datamodule.prepare_data()
@@ -119,8 +122,9 @@ def setup_run(cfg: DictConfig):
     tokenizer = datamodule.tokenizer
 
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # the tokenizer's, padded
+    model_config = replace(model_config, vocab_size=vocab_size)
     module = LitLlama(
-        replace(model_config, vocab_size=vocab_size),
+        model_config,
         optim,
         max_steps=cfg.trainer.max_steps,
         compile=cfg.compile,
@@ -135,6 +139,7 @@ def setup_run(cfg: DictConfig):
             module.model,
             resume_state,
             f"ckpt_path {ckpt_path} does not fit this model (resume with the run's own model= and data settings)",
+            differing_settings(resume_config, model_config),
         )
     # init_from is weights only: a new run (new optimizer, schedule, step 0), e.g. context extension
     if init_state is not None:
@@ -142,6 +147,7 @@ def setup_run(cfg: DictConfig):
             module.model,
             init_state,
             f"init_from {cfg.init_from} does not fit this model (the same model= and data tokenizer are needed)",
+            differing_settings(init_ckpt.get("model_config"), model_config),
         )
         print(f"Initialised weights from {cfg.init_from}")
     shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves

@@ -164,9 +164,18 @@ def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
     return {k[len(STATE_PREFIX) :]: v for k, v in state.items() if k.startswith(STATE_PREFIX)} or state
 
 
-def check_weights_fit(model: torch.nn.Module, state: dict, context: str) -> None:
+def differing_settings(saved: dict | None, config: ModelConfig) -> str:
+    """The model settings (not rope / extend, which hold no weights) in which a checkpoint's saved
+    `model_config` differs from `config`, as "d_model 64 in the checkpoint, 128 here, ..." ("" if none)."""
+    here = config.to_dict()
+    names = [k for k in here if k not in ("rope", "extend") and k in (saved or {}) and saved[k] != here[k]]
+    return ", ".join(f"{k} {saved[k]} in the checkpoint, {here[k]} here" for k in names)
+
+
+def check_weights_fit(model: torch.nn.Module, state: dict, context: str, settings: str = "") -> None:
     """One sentence unless `state` loads strictly into `model`: `context`, then the first tensor that
-    differs with its shape in the checkpoint and in the model (load_state_dict's first line names none)."""
+    differs with its shape in the checkpoint and in the model (load_state_dict's first line names none),
+    then `settings` (differing_settings) when known, which says what to change."""
     expected = model.state_dict()
     problems = []
     for name, tensor in expected.items():
@@ -186,12 +195,13 @@ def check_weights_fit(model: torch.nn.Module, state: dict, context: str) -> None
     ]
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{context}: {problems[0]}{more}.")
+        differ = f"; model settings that differ: {settings}" if settings else ""
+        raise CheckpointError(f"{context}: {problems[0]}{more}{differ}.")
 
 
-def load_weights(model: torch.nn.Module, state: dict, context: str) -> None:
+def load_weights(model: torch.nn.Module, state: dict, context: str, settings: str = "") -> None:
     """Load `state` strictly into `model`; a mismatch fails with check_weights_fit's sentence."""
-    check_weights_fit(model, state, context)
+    check_weights_fit(model, state, context, settings)
     model.load_state_dict(state, strict=True)
 
 
