@@ -79,6 +79,10 @@ class RecallConfig:
     queries: int = 1  # questions at the end, each about a different fact (at most min_pairs)
     curriculum_batches: int = 0  # batches over which distance and facts grow to full; 0 = none
     copy_fraction: float = 0.0  # probability that another window becomes a copy window (`copy_window`)
+    # Share of recall windows whose questions continue the haystack's last line instead of starting their
+    # own: the passkey's question ends a long line, where a model that saw only line-initial questions
+    # ends the line instead of answering.
+    midline_share: float = 0.0
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -88,7 +92,7 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in ("fraction", "copy_fraction"):
+        for name in ("fraction", "copy_fraction", "midline_share"):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
@@ -134,7 +138,8 @@ class RecallMixer:
         value = VALUE_RANGE[1] - 1
         facts = [fact.format(tag=t, value=value) + "\n" for fact, _ in TEMPLATES for t in tags]
         queries = [
-            ".\n" + (q.format(tag=t) + " " if q else "") + query.format(tag=t) + f" {value}"
+            brk + (q.format(tag=t) + " " if q else "") + query.format(tag=t) + f" {value}"
+            for brk in (".\n", ". ")  # between questions on their own lines, or mid-line (midline_share)
             for _, query in TEMPLATES
             for q in QUESTIONS
             for t in tags
@@ -202,9 +207,11 @@ class RecallMixer:
         questions = [QUESTIONS[rng.integers(len(QUESTIONS))] for _ in asked]
 
         statements = [self.tok.encode(fact_text.format(tag=t, value=v) + "\n") for t, v in zip(tags, values)]
-        tail, answers = [], []  # "\n<question> <query> <answer>" per asked fact, ".\n" between them
+        midline = cfg.midline_share > 0 and rng.random() < cfg.midline_share  # no draw when off: same windows
+        breaks = (" ", ". ") if midline else ("\n", ".\n")  # before the first question, between questions
+        tail, answers = [], []  # "<break><question> <query> <answer>" per asked fact
         for j, (i, question) in enumerate(zip(asked, questions)):
-            opening = ("\n" if j == 0 else ".\n") + (question.format(tag=tags[i]) + " " if question else "")
+            opening = breaks[j > 0] + (question.format(tag=tags[i]) + " " if question else "")
             tail += self.tok.encode(opening + query_text.format(tag=tags[i]))
             answers.append((len(tail), len(tail) + len(answer := self.tok.encode(f" {values[i]}"))))
             tail += answer

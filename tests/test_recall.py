@@ -73,6 +73,18 @@ def test_answers_appear_earlier_and_end_the_window(tok):
         assert positions == sorted(positions)
 
 
+def test_questions_continue_the_line_in_midline_share_of_windows(tok):
+    """The passkey's question ends a long line: with midline_share 0.5 about half the windows ask mid-line
+    (". " between questions), the rest line by line (".\n"); with 0 (the default) all ask line by line."""
+    for share, low, high in [(0.5, 30, 70), (0.0, 0, 0)]:
+        breaks = []
+        for w in windows(tok, seed=2, count=100, length=513, min_pairs=2, queries=2, midline_share=share):
+            between = tok.decode(w.tokens[w.answers[0][1] : w.answers[1][0]].tolist())
+            assert between.startswith((".\n", ". ")) and "\n" not in between[2:]
+            breaks.append(between[:2])
+        assert low <= breaks.count(". ") <= high
+
+
 def test_deterministic_per_seed_and_different_across_seeds(tok):
     same = [w.tokens for w in windows(tok, seed=3)], [w.tokens for w in windows(tok, seed=3)]
     other = [w.tokens for w in windows(tok, seed=4)]
@@ -118,6 +130,8 @@ def test_options_are_checked():
         RecallConfig.from_options({"fraction": 1.5})
     with pytest.raises(DataError, match="queries <= min_pairs <= max_pairs"):
         RecallConfig.from_options({"queries": 3, "min_pairs": 2})
+    with pytest.raises(DataError, match="data.recall.midline_share must lie in"):
+        RecallConfig.from_options({"midline_share": -0.1})
 
 
 def test_too_short_windows_fail_before_training(tok):
