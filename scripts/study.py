@@ -196,6 +196,10 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
         accuracy.append(row)
     text, paired = [], []
+    base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
+    for t in trials:
+        if t["model"].startswith("base"):
+            base_trials[t["task"], t["length"]].append(t)
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
@@ -208,13 +212,8 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     f"{cell[t][f'{name}_acc']:.0%} [{cell[t][f'{name}_low']:.0%}, {cell[t][f'{name}_high']:.0%}]"
                     if t in cell else "—" for t in lengths) + " |")  # fmt: skip
             for length in lengths:
-                base = [
-                    t
-                    for t in trials
-                    if t["task"] == task and t["length"] == length and t["model"].startswith("base")
-                ]
                 by_method = defaultdict(dict)
-                for t in base:
+                for t in base_trials[task, length]:
                     by_method[t["method"]][t["seed"], t["depth"], t["trial"]] = t[column]
                 if len(by_method) < 2:
                     continue
