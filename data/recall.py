@@ -22,7 +22,7 @@ Design, and why:
   the word lists avoid their words (no "pass", "key", "grass", "sky", ...); tests check it.
 - Curriculum: over the first `curriculum_batches` batches the largest number of facts grows from
   `min_pairs` to `max_pairs`, and facts move from the window's last quarter (short distance) to
-  anywhere in it; then 30% of windows put a fact in the first tenth (`FAR_SHARE`), the passkey's
+  anywhere in it; then 30% of windows put a fact in the first tenth (`far_share`), the passkey's
   distance at depth 0.
 
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
@@ -63,9 +63,9 @@ TEMPLATES = (
 QUESTIONS = ("What is the {tag}?", "Which number goes with the {tag}?", "Tell me the {tag}.", "")
 VALUE_RANGE = (10_000, 100_000)  # 5-digit values, like the passkey's keys
 START_FRACTION = 0.75  # at the start of the curriculum, facts go into the window's last quarter
-# Share of windows (at full curriculum) whose first fact goes into the haystack's first FAR_SPAN: the
+# The haystack's first FAR_SPAN is where `far_share` of the windows put their first fact: the
 # passkey at depth 0 sits a whole window back, a distance uniform placement seldom trains.
-FAR_SHARE, FAR_SPAN = 0.3, 0.1
+FAR_SPAN = 0.1
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class RecallConfig:
     # own: the passkey's question ends a long line, where a model that saw only line-initial questions
     # ends the line instead of answering.
     midline_share: float = 0.0
+    far_share: float = 0.3  # share of windows (at full curriculum) with a fact in the haystack's first tenth
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -92,7 +93,7 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in ("fraction", "copy_fraction", "midline_share"):
+        for name in ("fraction", "copy_fraction", "midline_share", "far_share"):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
@@ -227,7 +228,7 @@ class RecallMixer:
         line_starts = starts[(starts == 0) | self.ends_line[hay[np.maximum(starts - 1, 0)]]]
         candidates = line_starts if len(line_starts) else starts
         at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
-        if rng.random() < FAR_SHARE * progress:
+        if rng.random() < cfg.far_share * progress:
             early = candidates[candidates <= FAR_SPAN * n_hay]
             at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
         pieces, prev = [], 0

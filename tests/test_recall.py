@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import DataError, TextDataModule, recall
+from data import DataError, TextDataModule
 from data.recall import ADJECTIVES, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
 from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
@@ -104,22 +104,21 @@ def test_curriculum_starts_short_and_small(tok):
     assert min(start(w) for w in early) > max(start(w) for w in late) / 2  # early facts sit late
 
 
-def test_full_curriculum_puts_some_facts_a_whole_window_back(tok, monkeypatch):
-    """FAR_SHARE of the windows (one fact each here) hold it in the haystack's first tenth, the passkey's
+def test_full_curriculum_puts_some_facts_a_whole_window_back(tok):
+    """far_share of the windows (one fact each here) hold it in the haystack's first tenth, the passkey's
     distance at depth 0; uniform placement alone puts about a tenth there."""
-    mixer = RecallMixer(
-        tok, RecallConfig.from_options({"fraction": 1.0, "min_pairs": 1, "max_pairs": 1}), 257
-    )
 
-    def share_in_first_tenth() -> float:
+    def share_in_first_tenth(far_share: float) -> float:
+        options = {"fraction": 1.0, "min_pairs": 1, "max_pairs": 1, "far_share": far_share}
+        mixer = RecallMixer(tok, RecallConfig.from_options(options), 257)
         rng = np.random.default_rng(0)
         found = [mixer.window(rng, haystack(tok, 257)) for _ in range(300)]
         texts = [(tok.decode(w.tokens.tolist()), w.facts[0][0]) for w in found]
         return np.mean([text.index(f"{tag} is") < 0.1 * len(text) for text, tag in texts])
 
-    with_far = share_in_first_tenth()
-    monkeypatch.setattr(recall, "FAR_SHARE", 0.0)
-    assert share_in_first_tenth() < 0.2 < 0.3 < with_far
+    assert RecallConfig().far_share == 0.3
+    shares = [share_in_first_tenth(f) for f in (0.0, 0.3, 0.9)]
+    assert shares[0] < 0.2 < 0.3 < shares[1] < 0.5 < 0.8 < shares[2]
 
 
 def test_options_are_checked():
@@ -130,6 +129,8 @@ def test_options_are_checked():
         RecallConfig.from_options({"fraction": 1.5})
     with pytest.raises(DataError, match="queries <= min_pairs <= max_pairs"):
         RecallConfig.from_options({"queries": 3, "min_pairs": 2})
+    with pytest.raises(DataError, match=r"data.recall.far_share must lie in \[0, 1\], got 2"):
+        RecallConfig.from_options({"far_share": 2})
     with pytest.raises(DataError, match="data.recall.midline_share must lie in"):
         RecallConfig.from_options({"midline_share": -0.1})
 
