@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from inference.generation import left_pad, score_tokens
+from inference.generation import GREEDY, EagerStep, left_pad, sample, score_tokens
 from model.extend import EXTEND_METHODS, ExtendConfig, override_extend
 from model.kv_cache import KVCache
 from model.llama import Llama
@@ -224,18 +224,32 @@ def forward_groups(lengths: Sequence[int], rows: int, dynamic: bool) -> list[lis
     return [group[k : k + rows] for group in by_length.values() for k in range(0, len(group), rows)]
 
 
-@torch.inference_mode()
 def continuation_logprobs(
     model: Llama, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[Sequence[int]]]
 ) -> list[list[float]]:
-    """Sum of token log-probs of each prompt's candidate continuations, sharing one prefill.
+    """Sum of token log-probs of each prompt's candidate continuations, sharing one prefill
+    (`answer_and_rank` without the greedy answer). Returns B lists of C floats."""
+    return answer_and_rank(model, prompts, candidates, max_new_tokens=0)[1]
+
+
+@torch.inference_mode()
+def answer_and_rank(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    candidates: Sequence[Sequence[Sequence[int]]],
+    max_new_tokens: int,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's greedy continuation and its candidates' log-probs, from ONE prefill: the long
+    prompt is the cost, the few new tokens are not.
 
     prompts: B token lists, left padded into one forward (row i at positions 0..n_i-1, as alone).
-    candidates: per prompt, C non-empty token lists (the same C for every prompt). Candidate c of
-    every row is written into the slots after the prompts in one forward; the cache is rewound to
-    the prompts between candidates. Dynamic NTK is fixed for the longest prompt + candidate of any
-    row, which is each row's own (as alone) when they all share it (`forward_groups`).
-    Returns B lists of C floats.
+    candidates: per prompt, C non-empty token lists (the same C for every prompt).
+    max_new_tokens: greedy tokens decoded into the slots after the prompts (0: none); then the cache
+    is rewound to the prompts, and candidate c of every row is written into the same slots in one
+    forward, rewound again between candidates. Dynamic NTK is fixed for the longest prompt +
+    max(max_new_tokens, its longest candidate) of any row, which is each row's own (as alone) when
+    they all share it (`forward_groups`).
+    Returns (B greedy token lists of max_new_tokens, B lists of C summed log-probs).
     """
     counts = sorted({len(row) for row in candidates})
     if len(candidates) != len(prompts) or len(counts) != 1:
@@ -245,18 +259,25 @@ def continuation_logprobs(
         )
     device = model.embed.weight.device
     n, longest = max(map(len, prompts)), max(len(c) for row in candidates for c in row)
-    idx, position_ids, key_mask = left_pad(prompts, 0, n + longest, device)
+    slots = max(longest, max_new_tokens)
+    idx, position_ids, key_mask = left_pad(prompts, 0, n + slots, device)
     cache = KVCache.for_model(
         model,
         len(prompts),
-        n + longest,
-        seq_len=max(len(p) + max(map(len, row)) for p, row in zip(prompts, candidates)),
+        n + slots,
+        seq_len=max(len(p) + max(max(map(len, row)), max_new_tokens) for p, row in zip(prompts, candidates)),
     )
     cache.key_mask = key_mask
     last = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1:]  # (B, 1, V) after each prompt
+    answers, step, logits = [], EagerStep(model, cache, position_ids), last[:, -1]
+    for i in range(max_new_tokens):
+        answers.append(sample(logits, GREEDY))  # (B,)
+        if i < max_new_tokens - 1:
+            logits = step(answers[-1][:, None])
+    greedy = torch.stack(answers, 1).tolist() if answers else [[] for _ in prompts]
     scores = []
     for column in zip(*candidates):  # candidate c of every prompt
-        cache.rewind(n)  # overwrites the previous candidates' slots
+        cache.rewind(n)  # overwrites the greedy tokens' and the previous candidates' slots
         width = max(map(len, column))
         # right padded: a slot after a row's candidate never changes the logits of its tokens
         ids = torch.tensor([[*c, *[0] * (width - len(c))] for c in column], device=device)  # (B, width)
@@ -269,4 +290,4 @@ def continuation_logprobs(
         sizes = torch.tensor([len(c) for c in column], device=device)
         real = torch.arange(width, device=device) < sizes[:, None]  # (B, width): each row's own tokens
         scores.append(logprobs.where(real, 0.0).sum(1))
-    return torch.stack(scores, 1).tolist()
+    return greedy, torch.stack(scores, 1).tolist()

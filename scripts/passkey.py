@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from inference.cli import one_sentence_errors
-from inference.evaluation import continuation_logprobs, forward_groups, rows_per_forward
-from inference.generation import GREEDY, check_integer, generate, generation_bytes
+from inference.evaluation import answer_and_rank, forward_groups, rows_per_forward
+from inference.generation import check_integer, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
 from inference.retrieval import (
@@ -70,22 +70,18 @@ def answer_prompts(
     max_new_tokens: int,
     rows: int,
 ) -> list[dict]:
-    """Greedy answers and likelihood ranks of `prompts`, `rows` prompts per forward (left padded);
-    candidates[i] are prompt i's continuations, its true key first. `forward_groups` keeps every
-    prompt's result equal to answering it alone."""
-    dynamic = model.rope.is_dynamic
+    """Greedy answers and likelihood ranks of `prompts`, `rows` prompts per forward (left padded),
+    one prefill per prompt for both (`answer_and_rank`); candidates[i] are prompt i's continuations,
+    its true key first. `forward_groups` keeps every prompt's result equal to answering it alone."""
     answers: list[str] = [""] * len(prompts)
     scores: list[list[float]] = [[] for _ in prompts]
-    for group in forward_groups([len(p.tokens) + max_new_tokens for p in prompts], rows, dynamic):
-        out = generate(model, [prompts[i].tokens for i in group], max_new_tokens, GREEDY, eos_id=tok.eos_id)
-        for i, new in zip(group, out.tokens):
-            answers[i] = tok.decode(new)
-    ranked_lengths = [len(p.tokens) + max(map(len, c)) for p, c in zip(prompts, candidates)]
-    for group in forward_groups(ranked_lengths, rows, dynamic):
-        logprobs = continuation_logprobs(
-            model, [prompts[i].tokens for i in group], [candidates[i] for i in group]
+    lengths = [len(p.tokens) + max(max_new_tokens, *map(len, c)) for p, c in zip(prompts, candidates)]
+    for group in forward_groups(lengths, rows, model.rope.is_dynamic):
+        greedy, logprobs = answer_and_rank(
+            model, [prompts[i].tokens for i in group], [candidates[i] for i in group], max_new_tokens
         )
-        for i, row in zip(group, logprobs):
+        for i, new, row in zip(group, greedy, logprobs):
+            answers[i] = tok.decode(new[: new.index(tok.eos_id)] if tok.eos_id in new else new)  # eos ends it
             scores[i] = row
     out_rows = []
     for p, answer, (key_logprob, *decoy_logprobs) in zip(prompts, answers, scores):
@@ -194,7 +190,8 @@ def check_memory(model, cfg: DictConfig) -> None:
         model.config,
         rows,
         longest,
-        longest + cfg.max_new_tokens,
+        longest
+        + max(cfg.max_new_tokens, 6),  # the slots after a prompt: its answer, or a key (" " + 5 digits)
         model.embed.weight.dtype,
         padded=True,
         native=False,

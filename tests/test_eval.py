@@ -18,6 +18,7 @@ from data.tokenizer import Tokenizer
 from inference import memory
 from inference.checkpoint import load_checkpoint
 from inference.evaluation import (
+    answer_and_rank,
     bootstrap_mean,
     continuation_logprobs,
     forward_groups,
@@ -28,7 +29,7 @@ from inference.evaluation import (
     split_windows,
     window_losses,
 )
-from inference.generation import check_scoring, score_tokens
+from inference.generation import GREEDY, check_scoring, generate, score_tokens
 from inference.memory import MemoryBudgetError
 from inference.retrieval import build_prompt, first_integer
 from inference.stats import wilson_interval
@@ -317,6 +318,24 @@ def test_ranking_shares_one_prefill_and_matches_scoring(ckpt, tok):
     for cand, score in zip(candidates, ranked):
         reference = -float(score_tokens(ckpt.model, torch.tensor(prompt + cand), 64)[-len(cand) :].sum())
         assert score == pytest.approx(reference, abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["none", "yarn", "dynamic_ntk"])
+def test_one_prefill_answers_as_generate_and_ranks_as_scoring_alone(run_dir, tok, method):
+    """answer_and_rank decodes the greedy answer and scores the candidates from one prefill: the
+    answers equal generate's, and the scores equal continuation_logprobs' (its own prefill), for
+    left-padded prompts of two lengths (candidates as long as the answer, so dynamic NTK is fixed for
+    the same length in all three)."""
+    model = load_checkpoint(run_dir).model
+    model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
+    rng = np.random.default_rng(1)
+    prompts = [build_prompt("passkey", tok, length, 0.5, rng).tokens for length in (200, 300)]
+    candidates = [[tok.encode(f" {k}") for k in (1234567, 7654321, 4444444)] for _ in prompts]
+    assert {len(c) for row in candidates for c in row} == {8}  # " " and 7 digits: as long as the answer
+    greedy, scores = answer_and_rank(model, prompts, candidates, max_new_tokens=8)
+    assert greedy == generate(model, prompts, 8, GREEDY).tokens and {len(g) for g in greedy} == {8}
+    np.testing.assert_allclose(scores, continuation_logprobs(model, prompts, candidates), atol=1e-5)
+    assert answer_and_rank(model, prompts, candidates, max_new_tokens=0)[0] == [[], []]
 
 
 def test_forward_groups_share_a_forward_only_at_one_dynamic_length():
