@@ -186,12 +186,12 @@ def check_memory(model, cfg: DictConfig) -> None:
     longest = max(cfg.lengths)
     prompts = cfg.trials * len(cfg.depths)
     rows = min(rows_per_forward(cfg.batch_tokens, longest), prompts)
+    slots_after = max(cfg.max_new_tokens, 6)  # after a prompt: its greedy answer, or a key (" " + 5 digits)
     nbytes = generation_bytes(
         model.config,
         rows,
         longest,
-        longest
-        + max(cfg.max_new_tokens, 6),  # the slots after a prompt: its answer, or a key (" " + 5 digits)
+        longest + slots_after,
         model.embed.weight.dtype,
         padded=True,
         native=False,
