@@ -224,6 +224,12 @@ def forward_groups(lengths: Sequence[int], rows: int, dynamic: bool) -> list[lis
     return [group[k : k + rows] for group in by_length.values() for k in range(0, len(group), rows)]
 
 
+def answered_length(prompt_len: int, candidates: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """The length `answer_and_rank` fixes dynamic NTK for, for one prompt alone: the prompt plus the
+    longer of its greedy answer and its longest candidate (`forward_groups` groups by it)."""
+    return prompt_len + max(max_new_tokens, *map(len, candidates))
+
+
 def continuation_logprobs(
     model: Llama, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[Sequence[int]]]
 ) -> list[list[float]]:
@@ -265,7 +271,7 @@ def answer_and_rank(
         model,
         len(prompts),
         n + slots,
-        seq_len=max(len(p) + max(max(map(len, row)), max_new_tokens) for p, row in zip(prompts, candidates)),
+        seq_len=max(answered_length(len(p), row, max_new_tokens) for p, row in zip(prompts, candidates)),
     )
     cache.key_mask = key_mask
     last = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1:]  # (B, 1, V) after each prompt

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from inference.cli import one_sentence_errors
-from inference.evaluation import answer_and_rank, forward_groups, rows_per_forward
+from inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
 from inference.generation import check_integer, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
@@ -75,7 +75,7 @@ def answer_prompts(
     its true key first. `forward_groups` keeps every prompt's result equal to answering it alone."""
     answers: list[str] = [""] * len(prompts)
     scores: list[list[float]] = [[] for _ in prompts]
-    lengths = [len(p.tokens) + max(max_new_tokens, *map(len, c)) for p, c in zip(prompts, candidates)]
+    lengths = [answered_length(len(p.tokens), c, max_new_tokens) for p, c in zip(prompts, candidates)]
     for group in forward_groups(lengths, rows, model.rope.is_dynamic):
         greedy, logprobs = answer_and_rank(
             model, [prompts[i].tokens for i in group], [candidates[i] for i in group], max_new_tokens
