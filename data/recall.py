@@ -84,6 +84,10 @@ class RecallConfig:
     # ends the line instead of answering.
     midline_share: float = 0.0
     far_share: float = 0.3  # share of windows (at full curriculum) with a fact in the haystack's first tenth
+    # Share of recall windows whose tags all end in the same noun ("iron bell", "old bell"), so the token
+    # before " is" matches every fact and only the one before it tells them apart: the passkey's " ke"+"y is"
+    # shares its last two tokens with the filler's " sk"+"y is" (docs/data.md, seventh round).
+    shared_noun_share: float = 0.0
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -93,7 +97,7 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in ("fraction", "copy_fraction", "midline_share", "far_share"):
+        for name in ("fraction", "copy_fraction", "midline_share", "far_share", "shared_noun_share"):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
@@ -106,6 +110,11 @@ class RecallConfig:
             raise DataError(
                 f"data.recall needs queries <= min_pairs <= max_pairs, got queries={cfg.queries}, "
                 f"min_pairs={cfg.min_pairs}, max_pairs={cfg.max_pairs}."
+            )
+        if cfg.shared_noun_share > 0 and cfg.max_pairs > len(ADJECTIVES):
+            raise DataError(
+                f"data.recall.shared_noun_share needs max_pairs <= {len(ADJECTIVES)} (one adjective per fact), "
+                f"got max_pairs={cfg.max_pairs}."
             )
         return cfg
 
@@ -199,7 +208,12 @@ class RecallMixer:
         cfg, n_total = self.config, len(haystack)
         most = cfg.min_pairs + round(progress * (cfg.max_pairs - cfg.min_pairs))
         n_facts = int(rng.integers(cfg.min_pairs, most + 1))
-        picks = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n_facts, replace=False)
+        shared_noun = cfg.shared_noun_share > 0 and rng.random() < cfg.shared_noun_share  # off: no draw
+        if shared_noun:
+            adjectives = rng.choice(len(ADJECTIVES), size=n_facts, replace=False)
+            picks = adjectives * len(NOUNS) + rng.integers(len(NOUNS))
+        else:
+            picks = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n_facts, replace=False)
         tags = [f"{ADJECTIVES[p // len(NOUNS)]} {NOUNS[p % len(NOUNS)]}" for p in picks]
         low, high = VALUE_RANGE
         values = [low + int(v) for v in rng.choice(high - low, size=n_facts, replace=False)]

@@ -121,6 +121,18 @@ def test_full_curriculum_puts_some_facts_a_whole_window_back(tok):
     assert shares[0] < 0.2 < 0.3 < shares[1] < 0.5 < 0.8 < shares[2]
 
 
+def test_shared_noun_windows_tell_facts_apart_only_by_the_adjective(tok):
+    """With shared_noun_share 0.5 about half the windows' tags all end in one noun (distinct adjectives); with
+    0 (the default) each tag is drawn whole, so a shared noun among 3-4 facts is rare."""
+    for share, low, high in [(0.5, 30, 70), (0.0, 0, 10)]:
+        shared = []
+        for w in windows(tok, seed=5, count=100, min_pairs=3, max_pairs=4, shared_noun_share=share):
+            adjectives, nouns = zip(*(tag.split() for tag, _ in w.facts))
+            assert len(set(adjectives)) == len(adjectives) or len(set(nouns)) > 1
+            shared.append(len(set(nouns)) == 1)
+        assert low <= sum(shared) <= high
+
+
 def test_options_are_checked():
     assert RecallConfig.from_options(None).fraction == 0.0
     with pytest.raises(DataError, match=r"data.recall keys \['fration'\] are unknown"):
@@ -133,6 +145,8 @@ def test_options_are_checked():
         RecallConfig.from_options({"far_share": 2})
     with pytest.raises(DataError, match="data.recall.midline_share must lie in"):
         RecallConfig.from_options({"midline_share": -0.1})
+    with pytest.raises(DataError, match="shared_noun_share needs max_pairs <= 30"):
+        RecallConfig.from_options({"shared_noun_share": 0.5, "max_pairs": 31})
 
 
 def test_too_short_windows_fail_before_training(tok):
