@@ -25,6 +25,8 @@ Design, and why:
   anywhere in it; then 30% of windows put a fact in the first tenth (`far_share`), the passkey's
   distance at depth 0.
 
+- Shared nouns (`shared_noun_share`): a share of windows whose tags all end in one noun, so a question is
+  matched by more than the token before " is" (the passkey's " ke"+"y is" ends like the filler's " sk"+"y is").
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
 

@@ -555,7 +555,7 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     overrides = [c for c in commands[-1][2:] if not c.startswith(("hydra.", "init_from="))]
     assert overrides == ["experiment=[recall_base,extend_context]"]
     cfg = compose_train(overrides, tmp_path / "pi")
-    assert cfg.model.mix_previous_tokens == 2 and cfg.data.recall.fraction > 0  # the recipe's
+    assert cfg.model.mix_previous_tokens == 3 and cfg.data.recall.fraction > 0  # the recipe's
     assert cfg.data.max_len == 1024 and cfg.rope.factor == 4.0  # extend_context's
     assert cfg.optim.name == "muon" and cfg.optim.muon_lr == 2e-3  # the recipe's optimizer at fine-tune rates
 
