@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.memory import check_fits
+from model.rope import enum_choice
 
 
 class ExtendMethod(StrEnum):
@@ -68,12 +69,7 @@ class ExtendConfig:
     original_max_len: int = 2048
 
     def __post_init__(self):
-        if isinstance(self.method, ExtendMethod):  # accept the enum as well as its value
-            object.__setattr__(self, "method", self.method.value)
-        if self.method not in EXTEND_METHODS:
-            raise ValueError(
-                f"Unknown extend method {self.method!r}; valid methods are {', '.join(EXTEND_METHODS)}."
-            )
+        object.__setattr__(self, "method", enum_choice(self.method, ExtendMethod, "extend method", "methods"))
         for name, minimum, what in (
             ("window", 1, "a number of positions"),
             ("group", 1, "a group size"),

@@ -44,6 +44,18 @@ class RopeScaling(StrEnum):
 
 
 SCALINGS = tuple(s.value for s in RopeScaling)
+
+
+def enum_choice(value: str | StrEnum, choices: type[StrEnum], kind: str, plural: str) -> str:
+    """A config field given as an enum member or its value -> the value; an unknown one is one sentence
+    naming the valid values (kind "rope scaling", plural "scalings")."""
+    value = value.value if isinstance(value, choices) else value
+    valid = [c.value for c in choices]
+    if value not in valid:
+        raise ValueError(f"Unknown {kind} {value!r}; valid {plural} are {', '.join(valid)}.")
+    return value
+
+
 LAYOUTS = ("half", "interleaved")
 
 # Positions the shared cos/sin table covers at most; farther ones are computed for the ids asked.
@@ -85,12 +97,9 @@ class RopeConfig:
     max_position: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.scaling, RopeScaling):  # accept the enum as well as its value
-            object.__setattr__(self, "scaling", self.scaling.value)
-        if self.scaling not in SCALINGS:
-            raise ValueError(
-                f"Unknown rope scaling {self.scaling!r}; valid scalings are {', '.join(SCALINGS)}."
-            )
+        object.__setattr__(
+            self, "scaling", enum_choice(self.scaling, RopeScaling, "rope scaling", "scalings")
+        )
         if self.layout not in LAYOUTS:
             raise ValueError(f"Unknown rope layout {self.layout!r}; valid layouts are {', '.join(LAYOUTS)}.")
         if not self.base > 1.0:
