@@ -93,19 +93,24 @@ class Attention(nn.Module):
             k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
         dropout_p = self.dropout if self.training else 0.0
         if near is None:
-            y = F.scaled_dot_product_attention(
-                q_rot,
-                k_rot,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and L > 1 and k_rot.shape[2] == L,
-                dropout_p=dropout_p,
-                enable_gqa=self.n_kv_heads != self.n_heads,  # no repeat_interleave copy of K/V
-            )
+            is_causal = mask is None and L > 1 and k_rot.shape[2] == L
+            y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
         else:
             q_grouped = rope.rotate(q, grouped[0], grouped[1])
             y = merged_attention(q_rot, k_rot, q_grouped, k_grouped, v, near, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+    def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
+        """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D)."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            enable_gqa=self.n_kv_heads != self.n_heads,  # no repeat_interleave copy of K/V
+        )
 
 
 class SwiGLU(nn.Module):

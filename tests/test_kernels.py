@@ -214,6 +214,31 @@ def test_fused_loss_rejects_mismatched_targets():
         linear_cross_entropy(torch.randn(6, 4), torch.randn(9, 4), torch.zeros(5, dtype=torch.long))
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_attention_kernel_equals_plain_and_upcasts_only_a_bf16_backward(mask):
+    """bf16 inputs with autograd: the kernel runs the flash op in float32 and casts back, so it agrees
+    with the plain bf16 op to bf16 tolerance, output and gradients. In float32, or with no backward to
+    follow, it is the plain op itself (bit-equal)."""
+    model = tiny()
+    plain, kernel = model.blocks[0].attn, use_kernels(tiny()).blocks[0].attn
+    q, k, v = torch.randn(2, 4, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    attn_mask = torch.rand(1, 1, 12, 12) > 0.3 if mask else None
+    attn_mask = attn_mask | torch.eye(12, dtype=torch.bool) if mask else None  # no fully masked row
+    args = (attn_mask, not mask, 0.0)
+    assert_same_forward_and_backward(
+        lambda *t: kernel.attend(*t, *args), lambda *t: plain.attend(*t, *args), [q, k, v], torch.bfloat16
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        x = [t.to(dtype) for t in (q, k, v)]
+        with torch.no_grad():
+            assert torch.equal(kernel.attend(*x, *args), plain.attend(*x, *args))
+    x = [t.requires_grad_() for t in (q, k, v)]
+    assert torch.equal(kernel.attend(*x, *args), plain.attend(*x, *args))
+
+
 # ----------------------------------------------------------------------------- use_kernels
 
 
