@@ -35,6 +35,7 @@ Everything is a pure function of (recall seed, batch index), so batches stay res
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -63,6 +64,7 @@ TEMPLATES = (
     ("The {tag} is {value}. Say it once more: {value} is the {tag}.", "The {tag} is"),
 )
 QUESTIONS = ("What is the {tag}?", "Which number goes with the {tag}?", "Tell me the {tag}.", "")
+FORMS = ("{}\n", " {}")  # a fact as its own line, or as a sentence inside a flat haystack (flat_share)
 VALUE_RANGE = (10_000, 100_000)  # 5-digit values, like the passkey's keys
 START_FRACTION = 0.75  # at the start of the curriculum, facts go into the window's last quarter
 # The haystack's first FAR_SPAN is where `far_share` of the windows put their first fact: the
@@ -85,6 +87,10 @@ class RecallConfig:
     # own: the passkey's question ends a long line, where a model that saw only line-initial questions
     # ends the line instead of answering.
     midline_share: float = 0.0
+    # Share of recall windows whose haystack is one long line (its newlines become spaces), facts sit after
+    # sentence ends and questions continue the line: the passkey prompt is a single ~250-token line, where a
+    # model that only saw verse (a newline every ~10 tokens) answers "The pass key is" with a newline.
+    flat_share: float = 0.0
     far_share: float = 0.3  # share of windows (at full curriculum) with a fact in the haystack's first tenth
     # Share of recall windows whose tags all end in the same noun ("iron bell", "old bell"), so the token
     # before " is" matches every fact and only the one before it tells them apart: the passkey's " ke"+"y is"
@@ -99,7 +105,14 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in ("fraction", "copy_fraction", "midline_share", "far_share", "shared_noun_share"):
+        for name in (
+            "fraction",
+            "copy_fraction",
+            "midline_share",
+            "flat_share",
+            "far_share",
+            "shared_noun_share",
+        ):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
@@ -136,7 +149,11 @@ class RecallMixer:
         """window_len: tokens per training window (max_len + 1); checked here, not mid-training."""
         self.tok, self.config = tokenizer, config
         # Facts go in after a token that ends a line (or at the window start), so each is a line.
-        self.ends_line = np.array([tokenizer.decode([i]).endswith("\n") for i in range(tokenizer.vocab_size)])
+        texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+        self.ends_line = np.array([t.endswith("\n") for t in texts])
+        self.ends_sentence = np.array(
+            [t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts]
+        )  # flat_share
         if (need := self.longest_synthetic()) >= window_len:
             raise DataError(
                 f"recall windows of up to {config.max_pairs} facts and {config.queries} question(s) need up "
@@ -148,7 +165,12 @@ class RecallMixer:
         """Most tokens the facts and questions of one window can take (all tags, wordings; value 99999)."""
         tags = [f"{a} {n}" for a in ADJECTIVES for n in NOUNS]
         value = VALUE_RANGE[1] - 1
-        facts = [fact.format(tag=t, value=value) + "\n" for fact, _ in TEMPLATES for t in tags]
+        facts = [
+            form.format(fact.format(tag=t, value=value))
+            for fact, _ in TEMPLATES
+            for t in tags
+            for form in FORMS
+        ]
         queries = [
             brk + (q.format(tag=t) + " " if q else "") + query.format(tag=t) + f" {value}"
             for brk in (".\n", ". ")  # between questions on their own lines, or mid-line (midline_share)
@@ -205,6 +227,14 @@ class RecallMixer:
             total += 2 * sum(map(len, spans))
         return np.concatenate(out)[:n].astype(np.int64)
 
+    def flatten(self, haystack: np.ndarray, n: int) -> np.ndarray:
+        """The first `n` tokens of `haystack` (n_total,) re-encoded as one line (each run of whitespace with a
+        newline becomes one space). Joining lines merges tokens (~8% fewer), so a haystack too short for
+        `n` stays as it is: the facts and questions still take the flat form."""
+        text = re.sub(r"\s*\n\s*", " ", self.tok.decode(haystack.tolist()))
+        tokens = self.tok.encode(text)
+        return np.asarray(tokens[:n] if len(tokens) >= n else haystack[:n], dtype=np.int64)
+
     def window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float = 1.0) -> RecallWindow:
         """One recall window as long as `haystack` (n,), built from its leading tokens."""
         cfg, n_total = self.config, len(haystack)
@@ -223,8 +253,10 @@ class RecallMixer:
         asked = [int(i) for i in rng.choice(n_facts, size=cfg.queries, replace=False)]
         questions = [QUESTIONS[rng.integers(len(QUESTIONS))] for _ in asked]
 
-        statements = [self.tok.encode(fact_text.format(tag=t, value=v) + "\n") for t, v in zip(tags, values)]
-        midline = cfg.midline_share > 0 and rng.random() < cfg.midline_share  # no draw when off: same windows
+        flat = cfg.flat_share > 0 and rng.random() < cfg.flat_share  # no draw when off: same windows
+        facts_text = [fact_text.format(tag=t, value=v) for t, v in zip(tags, values)]
+        statements = self.tok.encode_batch([FORMS[flat].format(f) for f in facts_text])
+        midline = flat or (cfg.midline_share > 0 and rng.random() < cfg.midline_share)  # no draw when off
         breaks = (" ", ". ") if midline else ("\n", ".\n")  # before the first question, between questions
         tail, answers = [], []  # "<break><question> <query> <answer>" per asked fact
         for j, (i, question) in enumerate(zip(asked, questions)):
@@ -238,10 +270,11 @@ class RecallMixer:
                 f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
             )
 
-        hay = np.asarray(haystack[:n_hay], dtype=np.int64)
+        hay = self.flatten(haystack, n_hay) if flat else np.asarray(haystack[:n_hay], dtype=np.int64)
         lowest = int(START_FRACTION * (1 - progress) * n_hay)  # curriculum: short distances first
         starts = np.arange(lowest, n_hay + 1)
-        line_starts = starts[(starts == 0) | self.ends_line[hay[np.maximum(starts - 1, 0)]]]
+        boundary = self.ends_sentence if flat else self.ends_line  # facts start a line, or follow a sentence
+        line_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
         candidates = line_starts if len(line_starts) else starts
         at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
         if rng.random() < cfg.far_share * progress:

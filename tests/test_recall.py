@@ -85,6 +85,25 @@ def test_questions_continue_the_line_in_midline_share_of_windows(tok):
         assert low <= breaks.count(". ") <= high
 
 
+def test_flat_share_windows_are_one_line_with_facts_after_sentence_ends(tok):
+    """flat_share 1: the haystack's lines are joined (the passkey prompt is one long line), each fact
+    follows a sentence end as " The <tag> is <value>.", questions continue the line, answers still copy."""
+    lines = tok.encode("And so it goes.\nWe came.\n" * 300)
+    mixer = RecallMixer(tok, RecallConfig.from_options({"fraction": 1.0, "flat_share": 1.0, "queries": 2,
+                                                        "min_pairs": 2}), 513)  # fmt: skip
+    rng = np.random.default_rng(5)
+    for start in range(0, 200, 10):
+        w = mixer.window(rng, np.asarray(lines[start : start + 513], dtype=np.int64))
+        text = tok.decode(w.tokens.tolist())
+        assert w.tokens.shape == (513,) and "\n" not in text
+        for tag, value in w.facts:
+            assert re.search(rf"(^|[.]) The (number of the )?{tag} is {value}\.", text)
+        for (a, b), i in zip(w.answers, w.asked):
+            assert tok.decode(w.tokens[a:b].tolist()) == f" {w.facts[i][1]}"
+    plain = windows(tok, seed=6, count=20, length=513, queries=2, min_pairs=2)
+    assert all("\n" in tok.decode(w.tokens.tolist()) for w in plain)  # flat_share 0 (the default): lines
+
+
 def test_deterministic_per_seed_and_different_across_seeds(tok):
     same = [w.tokens for w in windows(tok, seed=3)], [w.tokens for w in windows(tok, seed=3)]
     other = [w.tokens for w in windows(tok, seed=4)]
@@ -145,6 +164,8 @@ def test_options_are_checked():
         RecallConfig.from_options({"far_share": 2})
     with pytest.raises(DataError, match="data.recall.midline_share must lie in"):
         RecallConfig.from_options({"midline_share": -0.1})
+    with pytest.raises(DataError, match="data.recall.flat_share must lie in"):
+        RecallConfig.from_options({"flat_share": 1.5})
     with pytest.raises(DataError, match="shared_noun_share needs max_pairs <= 30"):
         RecallConfig.from_options({"shared_noun_share": 0.5, "max_pairs": 31})
 
