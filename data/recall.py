@@ -148,12 +148,10 @@ class RecallMixer:
     def __init__(self, tokenizer: Tokenizer, config: RecallConfig, window_len: int):
         """window_len: tokens per training window (max_len + 1); checked here, not mid-training."""
         self.tok, self.config = tokenizer, config
-        # Facts go in after a token that ends a line (or at the window start), so each is a line.
+        # Facts go in after a token that ends a line (or a sentence, in a flat haystack) or at the window start.
         texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
         self.ends_line = np.array([t.endswith("\n") for t in texts])
-        self.ends_sentence = np.array(
-            [t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts]
-        )  # flat_share
+        self.ends_sentence = np.array([t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts])
         if (need := self.longest_synthetic()) >= window_len:
             raise DataError(
                 f"recall windows of up to {config.max_pairs} facts and {config.queries} question(s) need up "
@@ -229,7 +227,7 @@ class RecallMixer:
 
     def flatten(self, haystack: np.ndarray, n: int) -> np.ndarray:
         """The first `n` tokens of `haystack` (n_total,) re-encoded as one line (each run of whitespace with a
-        newline becomes one space). Joining lines merges tokens (~8% fewer), so a haystack too short for
+        newline becomes one space). Joining lines merges tokens, so a haystack too short for
         `n` stays as it is: the facts and questions still take the flat form."""
         text = re.sub(r"\s*\n\s*", " ", self.tok.decode(haystack.tolist()))
         tokens = self.tok.encode(text)
@@ -274,8 +272,8 @@ class RecallMixer:
         lowest = int(START_FRACTION * (1 - progress) * n_hay)  # curriculum: short distances first
         starts = np.arange(lowest, n_hay + 1)
         boundary = self.ends_sentence if flat else self.ends_line  # facts start a line, or follow a sentence
-        line_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
-        candidates = line_starts if len(line_starts) else starts
+        fact_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
+        candidates = fact_starts if len(fact_starts) else starts
         at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
         if rng.random() < cfg.far_share * progress:
             early = candidates[candidates <= FAR_SPAN * n_hay]

@@ -1,7 +1,7 @@
 """Attention whose training backward runs in fp32 on the CPU: a drop-in for `Attention.attend`.
 
 Under CPU bf16 autocast, PyTorch's flash-attention backward is slower in bf16 than in fp32 at the
-lengths this repository trains at (measured in docs/performance.md, "Kernels"), so when an eager
+lengths this repository trains at (measured in docs/performance.md, "Time to quality"), so when an eager
 backward follows, q, k and v are upcast for the one call and the output cast back. Without autograd
 (evaluation, generation) the bf16 forward is the faster one and runs unchanged.
 """

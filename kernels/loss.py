@@ -7,8 +7,8 @@ and reads them twice more in the backward: five passes over a tensor far larger 
 Here the rows go through the head `chunk_rows` at a time; each chunk's softmax gradient
 (softmax - onehot) is turned into the gradients of `hidden` and `W` while it is still in cache, so
 the backward only scales two saved gradients. Same loss and gradients (float32 softmax, float32 sums
-of the chunks' weight gradients), and
-the peak memory of the step drops by the logits and their gradient (docs/performance.md, Kernels).
+of the chunks' weight gradients), and the peak memory of the step drops by the logits and their
+gradient (docs/performance.md, Kernels).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1  # - onehot(target)
                 grad_logits = grad_logits.to(dtype)
                 grad_hidden[start : start + chunk_rows] = grad_logits @ w
-                # in the compute dtype (bf16 on AMX is ~2.5x an fp32 addmm_), summed over chunks in acc
+                # in the compute dtype (a bf16 matmul beats an fp32 addmm_ of upcast copies), summed in acc
                 grad_weight += grad_logits.T @ h
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
