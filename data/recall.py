@@ -105,14 +105,7 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in (
-            "fraction",
-            "copy_fraction",
-            "midline_share",
-            "flat_share",
-            "far_share",
-            "shared_noun_share",
-        ):
+        for name in [f.name for f in fields(cls) if f.type == "float"]:  # every share is a probability
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
