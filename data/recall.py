@@ -96,6 +96,10 @@ class RecallConfig:
     # before " is" matches every fact and only the one before it tells them apart: the passkey's " ke"+"y is"
     # shares its last two tokens with the filler's " sk"+"y is" (docs/data.md, seventh round).
     shared_noun_share: float = 0.0
+    # Loss weight of the recall answers' tokens (each other token weighs 1; the loss is the weighted mean):
+    # the first answer token decides between copying the value and continuing the text, and at weight 1
+    # the answers are ~2% of a batch's loss (docs/data.md, tenth round). 1 = off: batches stay (x, y).
+    answer_weight: float = 1.0
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -105,10 +109,15 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in [f.name for f in fields(cls) if f.type == "float"]:  # every share is a probability
+        for name in [f.name for f in fields(cls) if f.name.endswith(("fraction", "share"))]:  # probabilities
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
+        weight = cfg.answer_weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 1 <= weight < float("inf"):
+            raise DataError(
+                f"data.recall.answer_weight must be a finite number >= 1 (1 = off), got {weight!r}."
+            )
         for name in ("seed", "min_pairs", "max_pairs", "queries", "curriculum_batches"):
             value = getattr(cfg, name)
             lowest = 1 if name in ("min_pairs", "queries") else 0
@@ -177,21 +186,28 @@ class RecallMixer:
         n = self.config.curriculum_batches
         return 1.0 if n == 0 else min(1.0, batch_index / n)
 
-    def mix(self, batch_index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix(self, batch_index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Training batch `batch_index` as (input, target), each (B, L) int64, with each row replaced by
         a recall window with probability `fraction`, else by a copy window with probability
-        `copy_fraction`; a pure function of (recall seed, batch_index)."""
+        `copy_fraction`; a pure function of (recall seed, batch_index). With `answer_weight` != 1 a third
+        (B, L) float32 tensor follows: each target's loss weight (answer_weight on recall answers, else 1)."""
         rng = np.random.default_rng([self.config.seed, batch_index])
         windows = torch.cat([x, y[:, -1:]], dim=1).numpy().copy()  # (B, L + 1)
+        weights = np.ones(x.shape, dtype=np.float32)  # (B, L), one per target
         progress = self.progress(batch_index)
         draws = rng.random(len(windows))
         for row in np.flatnonzero(draws < self.config.fraction):
-            windows[row] = self.window(rng, windows[row], progress).tokens
+            window = self.window(rng, windows[row], progress)
+            windows[row] = window.tokens
+            for start, end in window.answers:  # token t of the window is the target at position t - 1
+                weights[row, start - 1 : end - 1] = self.config.answer_weight
         copy_rows = (draws >= self.config.fraction) & (rng.random(len(windows)) < self.config.copy_fraction)
         for row in np.flatnonzero(copy_rows):
             windows[row] = self.copy_window(rng, windows[row])
         out = torch.from_numpy(windows)
-        return out[:, :-1], out[:, 1:]
+        if self.config.answer_weight == 1:
+            return out[:, :-1], out[:, 1:]
+        return out[:, :-1], out[:, 1:], torch.from_numpy(weights)
 
     def copy_window(
         self, rng: np.random.Generator, haystack: np.ndarray, span: tuple[int, int] = (8, 24)

@@ -128,14 +128,22 @@ class SwiGLU(nn.Module):
 class LMHead(nn.Linear):
     """The output projection (V, C), and the training loss computed from its logits."""
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, target_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean cross-entropy of the logits of hidden: (..., C) against targets: (...) class ids.
 
+        target_weights: (...) non-negative per-target weights (None = all 1): then the weighted mean,
+            sum(w * ce) / sum(w).
         Returns a scalar in float32 (float64 for float64 weights): bf16 logits are upcast first.
         """
         logits = self(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        if target_weights is None:
+            return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        losses = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+        weights = target_weights.flatten().to(losses.dtype)
+        return (losses * weights).sum() / weights.sum()
 
 
 class Block(nn.Module):
@@ -223,6 +231,7 @@ class Llama(nn.Module):
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         targets: torch.Tensor | None = None,
+        target_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """idx: (B, L) token ids -> logits (B, L, vocab), float32 unless autocast says otherwise.
 
@@ -230,6 +239,7 @@ class Llama(nn.Module):
         kv_cache: if given, new keys/values go to its next slots and attention covers all filled ones.
         targets: (B, L) next-token ids; if given, returns the mean cross-entropy (float32 scalar)
             instead of the logits (`LMHead.loss`).
+        target_weights: (B, L) per-target loss weights (with targets; None = all 1).
         """
         B, L = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
@@ -250,7 +260,7 @@ class Llama(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(L)
         if targets is not None:
-            return self.lm_head.loss(x, targets)
+            return self.lm_head.loss(x, targets, target_weights)
         return self.lm_head(x)
 
     def embed_tokens(self, idx: torch.Tensor, kv_cache: KVCache | SlotWrite | None = None) -> torch.Tensor:

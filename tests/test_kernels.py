@@ -168,6 +168,46 @@ def test_fused_loss_equals_cross_entropy_of_logits(chunk_rows):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows), ref.detach())
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 7, 256])
+def test_fused_weighted_loss_equals_the_weighted_mean(chunk_rows):
+    """With per-target weights (recall answers weigh more, data/recall.py): loss and gradients equal
+    sum(w * ce) / sum(w) of the plain logits; weights of 1 give the plain mean."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11))
+    weights = torch.ones(3, 11)
+    weights[:, 4:7] = 5.0
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_rows, target_weights=weights)
+    (2.5 * loss).backward()
+    fused = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    per_target = F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten(), reduction="none")
+    ref = (per_target * weights.flatten().double()).sum() / weights.sum()
+    (2.5 * ref).backward()
+    for got, expected in zip(fused, (ref.detach(), hidden.grad, weight.grad)):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    ones = linear_cross_entropy(hidden, weight, targets, chunk_rows, target_weights=torch.ones(3, 11))
+    torch.testing.assert_close(ones, F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten()))
+    assert not torch.allclose(ref, per_target.mean())  # the weights matter in this example
+
+
+def test_weighted_loss_kernel_equals_the_plain_head():
+    """KernelLMHead.loss and LMHead.loss agree with weights too (float32)."""
+    plain = tiny().lm_head
+    kernel = use_kernels(tiny()).lm_head
+    hidden = torch.randn(2, 9, 64)
+    targets = torch.randint(0, 97, (2, 9))
+    weights = torch.rand(2, 9) * 4
+    assert_same_forward_and_backward(
+        lambda h: kernel.loss(h, targets, weights),
+        lambda h: plain.loss(h, targets, weights),
+        [hidden],
+        torch.float32,
+        torch.float32,
+    )
+
+
 def test_fused_loss_gradcheck():
     hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)

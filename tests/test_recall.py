@@ -212,6 +212,7 @@ def test_experiment_composes(tmp_path):
     assert cfg.data.recall.fraction > 0
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
     assert cfg.model.mix_previous_tokens and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
+    assert cfg.data.recall.answer_weight > 1  # the answers weigh more in the loss (docs/data.md, tenth round)
     assert "NOT YET MET" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
 
 
@@ -250,6 +251,59 @@ def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
     assert all(len(set(mixed[r].tolist())) < 0.7 * 256 for r in others)
     with pytest.raises(DataError, match="data.recall.copy_fraction must lie in"):
         RecallConfig.from_options({"copy_fraction": -0.1})
+
+
+def test_answer_weight_marks_exactly_the_answer_targets(tok):
+    """answer_weight w: a third (B, L) tensor weighs each recall answer's targets (the value " 73912", space
+    first) by w and every other target by 1; the tokens are those of the unweighted mixer's batch."""
+    x = torch.arange(8 * 256).view(8, 256) % (tok.vocab_size - 2) + 2
+    y = x + 1
+    options = {"fraction": 0.5, "copy_fraction": 0.5, "seed": 3, "min_pairs": 2, "max_pairs": 3, "queries": 2}
+    plain = RecallMixer(tok, RecallConfig.from_options(options), 257).mix(4, x, y)
+    weighted = RecallMixer(tok, RecallConfig.from_options({**options, "answer_weight": 5.0}), 257).mix(
+        4, x, y
+    )
+    assert len(plain) == 2 and len(weighted) == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, weighted[:2]))
+    inputs, targets, weights = weighted
+    assert weights.shape == (8, 256) and weights.dtype == torch.float32
+    assert set(weights.unique().tolist()) == {1.0, 5.0}
+    for row in range(8):
+        answers = tok.decode(targets[row][weights[row] == 5.0].tolist())
+        text = tok.decode(torch.cat([inputs[row], targets[row, -1:]]).tolist())
+        values = re.findall(r" is( \d{5})(?=$|\.\n|\. )", text)  # the answers after the questions
+        if re.search(r" is \d{5}$", text):  # a recall window: two answers, each a space and five digits
+            assert answers == "".join(values[-2:]) and len(answers) == 12
+        else:
+            assert answers == ""
+    with pytest.raises(
+        DataError, match=r"data.recall.answer_weight must be a finite number >= 1 \(1 = off\), got 0.5"
+    ):
+        RecallConfig.from_options({"answer_weight": 0.5})
+
+
+def test_weighted_batches_train(tmp_path):
+    """A weighted batch goes through LitLlama's loss: the weighted mean, not the plain one."""
+    from model.config import ModelConfig
+    from training.module import LitLlama
+
+    lit = LitLlama(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1))
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.randint(0, 64, (2, 16))
+    weights = torch.ones(2, 16)
+    weights[0, 3] = 50.0
+    plain, same, weighted = (
+        lit._loss((x, y)),
+        lit._loss((x, y, torch.ones(2, 16))),
+        lit._loss((x, y, weights)),
+    )
+    torch.testing.assert_close(plain, same)
+    logits = lit(x).float()
+    per_target = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    torch.testing.assert_close(
+        weighted, (per_target * weights.flatten()).sum() / weights.sum(), rtol=1e-5, atol=1e-6
+    )
+    assert not torch.allclose(weighted, plain)
 
 
 def test_copy_windows_alone_turn_the_mixer_on(tmp_path):

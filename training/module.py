@@ -64,8 +64,10 @@ class LitLlama(L.LightningModule):
         return self.model(idx, position_ids=position_ids, kv_cache=kv_cache)
 
     def _loss(self, batch) -> torch.Tensor:
-        inputs, targets = batch  # (B, L) each, targets shifted by one
-        return self.model(inputs, targets=targets)  # head + cross-entropy (fused by kernels/loss.py)
+        # (B, L) each, targets shifted by one; a third (B, L) tensor weighs each target (data.recall.answer_weight)
+        inputs, targets, *weights = batch
+        target_weights = weights[0] if weights else None
+        return self.model(inputs, targets=targets, target_weights=target_weights)  # fused by kernels/loss.py
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
