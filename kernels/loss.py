@@ -56,8 +56,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad_logits.T @ h
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
-        # the mean's denominator: rows, or the sum of the rows' weights
-        ctx.n = n if target_weights is None else target_weights.sum().item()
+        # the mean's denominator: rows, or the sum of the rows' weights (a tensor: no device sync)
+        ctx.n = n if target_weights is None else target_weights.sum()
         ctx.dtypes = hidden.dtype, weight.dtype
         return total / ctx.n
 
