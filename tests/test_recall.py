@@ -282,7 +282,7 @@ def test_answer_weight_marks_exactly_the_answer_targets(tok):
         RecallConfig.from_options({"answer_weight": 0.5})
 
 
-def test_weighted_batches_train(tmp_path):
+def test_weighted_batches_train():
     """A weighted batch goes through LitLlama's loss: the weighted mean, not the plain one."""
     from model.config import ModelConfig
     from training.module import LitLlama
