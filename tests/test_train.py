@@ -146,6 +146,21 @@ def test_resume_gives_identical_weights(tmp_path, corpus):
     assert not torch.equal(last_weights(fresh)["embed.weight"], a["embed.weight"])  # the check can fail
 
 
+def test_ema_checkpoints_hold_the_average_and_resume_both_trajectories(tmp_path, corpus):
+    ema = ["callbacks=ema", "callbacks.ema.decay=0.8", "callbacks.checkpoint.keep_all=true"]
+    _, full = run_train(tmp_path, corpus, *ema, name="full")
+    mid = full / "checkpoints" / "step000010.ckpt"
+    _, resumed = run_train(tmp_path, corpus, *ema, f"ckpt_path={mid}", name="resumed")
+    a, b = (safe_load(run / "checkpoints" / "last.ckpt") for run in (full, resumed))
+    for entry in ("state_dict", "current_model_state"):  # the average and the raw weights
+        assert a[entry].keys() == b[entry].keys()
+        for name in a[entry]:
+            assert torch.equal(a[entry][name], b[entry][name]), (entry, name)
+    average, raw = a["state_dict"]["model.embed.weight"], a["current_model_state"]["model.embed.weight"]
+    assert not torch.equal(average, raw)  # the check can fail: decay 0.8 over 20 steps is not the raw
+    assert torch.equal(last_weights(full)["embed.weight"], average)  # what generate.py and the scripts load
+
+
 def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corpus):
     _, base = run_train(tmp_path, corpus, "trainer.max_steps=10", name="base")
     base_weights = last_weights(base)
