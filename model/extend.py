@@ -125,6 +125,28 @@ def grouped_query_positions(position_ids: torch.Tensor, window: int, group: int)
     return torch.minimum(position_ids, position_ids // group + (window - window // group))
 
 
+def self_extend_reach(seq_len: int, window: int, group: int) -> int:
+    """The largest query-key distance Self-Extend shows in a `seq_len`-token sequence: the last query
+    against key 0, (seq_len - 1) // G + W - W // G when it is grouped, else the true seq_len - 1."""
+    if seq_len <= window:
+        return seq_len - 1
+    return (seq_len - 1) // group + window - window // group
+
+
+def matched_group(seq_len: int, window: int, train_len: int) -> int:
+    """The smallest group size G whose reach at `seq_len` stays inside the training length (<= train_len
+    - 1), so no query sees a distance it was not trained on; 1 (plain attention) when seq_len fits.
+    Self-Extend's counterpart of a matched RoPE factor: the least compression that suffices."""
+    if window >= train_len:
+        raise ValueError(
+            f"extend window ({window}) must be below the training length ({train_len}) for a matched group."
+        )
+    group = 1
+    while self_extend_reach(seq_len, window, group) > train_len - 1:  # ends: the reach tends to W < L0
+        group += 1
+    return group
+
+
 def neighbour_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """True where a query scores a key with true positions (q - k < W), False where with grouped ones.
 

@@ -17,11 +17,12 @@ from inference.checkpoint import LoadedCheckpoint
 from inference.cli import build
 from inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_extend, method_rope
 from inference.generation import check_integer
-from model.extend import ExtendConfig, override_extend
+from model.extend import ExtendConfig, matched_group, override_extend
 from model.rope import override_rope
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"  # absolute: also works when a script is imported (tests)
+MATCHED = "matched"  # factor / extend_options.group chosen per evaluation length from the training length
 
 
 def require(cfg: DictConfig, keys: tuple[str, ...], usage: str) -> None:
@@ -72,9 +73,18 @@ def check_common(cfg: DictConfig) -> None:
         )
     for method in methods:
         check_method(str(method))
-    override_extend(ExtendConfig(), extend_options(cfg))  # a bad window or group fails before the load
+    options = extend_options(cfg)
+    if isinstance(
+        options.get("group"), str
+    ):  # `matched` is resolved per length once the training length is known
+        if options["group"] != MATCHED:
+            raise ValueError(
+                f"extend_options.group must be an integer >= 1 or `matched`, got {options['group']!r}."
+            )
+        options["group"] = 1
+    override_extend(ExtendConfig(), options)  # a bad window or group fails before the load
     check_output_dir(str(cfg.out))
-    if cfg.factor != "matched" and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
+    if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     check_integer("batch_tokens", cfg.batch_tokens, 1)
     if cfg.threads is not None:
@@ -98,14 +108,32 @@ def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
 
 def extend_options(cfg: DictConfig) -> dict:
     """`extend_options`: the extension fields (window, group) set for every method that names an
-    extension; a null one keeps the checkpoint's value."""
+    extension; a null one keeps the checkpoint's value; group `matched` is resolved per length."""
     options = OmegaConf.to_container(cfg.extend_options, resolve=True)
     return {k: v for k, v in options.items() if v is not None}
 
 
-def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> dict:
-    """{method: ExtendConfig}: the extension each method runs with (the same at every length)."""
-    return {m: method_extend(ckpt.config.extend, m, train_length(ckpt), extend_options(cfg)) for m in methods}
+def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
+    """{method: ExtendConfig} for one evaluation length; group `matched` = the least group whose reach
+    at that length stays inside the training length (model/extend.py's matched_group)."""
+    train_len = train_length(ckpt)
+    options = extend_options(cfg)
+    if options.get("group") == MATCHED:
+        options["group"] = matched_group(length, options.get("window", ckpt.config.extend.window), train_len)
+    return {m: method_extend(ckpt.config.extend, m, train_len, options) for m in methods}
+
+
+def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> None:
+    """Name the Self-Extend group each length gets when extend_options.group is `matched`."""
+    if extend_options(cfg).get("group") != MATCHED:
+        return
+    groups = {}
+    for length in sorted(cfg.lengths):
+        extends = [e for e in method_extends(cfg, ckpt, methods, length).values() if e.self_extend]
+        if extends:
+            groups[length] = extends[0].group
+    if groups:
+        print(f"Self-Extend groups (matched to training length {train_length(ckpt)}): {groups}")
 
 
 def with_largest_cache(model, extends: dict) -> None:
@@ -117,7 +145,7 @@ def with_largest_cache(model, extends: dict) -> None:
 def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
     """{method: (RopeConfig, its factor)} for one evaluation length; `matched` = T / training length."""
     train_len = train_length(ckpt)
-    factor = matched_factor(length, train_len) if cfg.factor == "matched" else float(cfg.factor)
+    factor = matched_factor(length, train_len) if cfg.factor == MATCHED else float(cfg.factor)
     extra = OmegaConf.to_container(cfg.rope_options, resolve=True)
     own = ckpt.config.rope
     base = override_rope(own, {"original_max_len": own.original_max_len, **extra}) if extra else own

@@ -43,6 +43,7 @@ from scripts.common import (
     method_extends,
     method_names,
     method_ropes,
+    print_matched_groups,
     train_length,
     with_largest_cache,
     write_csv,
@@ -80,12 +81,10 @@ def metric_row(name: str, per_window: torch.Tensor, owners: torch.Tensor, cfg: D
 
 
 def evaluate_grid(
-    cfg: DictConfig, ckpt, extends: dict, documents: list
+    cfg: DictConfig, ckpt, methods: list[str], documents: list
 ) -> tuple[list[dict], list[dict], list[dict]]:
-    """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows).
-    extends: {method: its ExtendConfig} (`method_extends`), in the order of the methods."""
+    """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows)."""
     train_len = train_length(ckpt)
-    methods = list(extends)
     rows, curves, per_window = [], [], []
     cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
     windows = {}
@@ -95,7 +94,7 @@ def evaluate_grid(
         wins, owners = windows[length]
         rope, factor = method_ropes(cfg, ckpt, methods, length)[method]
         ckpt.model.set_rope(rope)
-        ckpt.model.set_extend(extends[method])
+        ckpt.model.set_extend(method_extends(cfg, ckpt, methods, length)[method])
         batch = rows_per_forward(cfg.batch_tokens, length)
         losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
         keys = {"method": method, "length": length, "factor": factor}
@@ -197,14 +196,14 @@ def run(cfg: DictConfig) -> list[dict]:
     check_options(cfg)
     ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     methods = method_names(cfg.methods, ckpt)
-    extends = method_extends(cfg, ckpt, methods)
-    with_largest_cache(ckpt.model, extends)
+    print_matched_groups(cfg, ckpt, methods)
+    with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
     for length in cfg.lengths:  # before loading data; a shorter length may score more rows at once
         batch = rows_per_forward(cfg.batch_tokens, length)
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
         check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
-    rows, curves, per_window = evaluate_grid(cfg, ckpt, extends, documents)
+    rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from scripts.common import (
     method_names,
     method_ropes,
     option_list,
+    print_matched_groups,
     with_largest_cache,
     write_csv,
 )
@@ -225,8 +226,8 @@ def run(cfg: DictConfig) -> list[dict]:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     methods = method_names(cfg.methods, ckpt)
-    extends = method_extends(cfg, ckpt, methods)
-    with_largest_cache(ckpt.model, extends)
+    print_matched_groups(cfg, ckpt, methods)
+    with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
     check_memory(ckpt.model, cfg)
     trials = []
     cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
@@ -238,6 +239,7 @@ def run(cfg: DictConfig) -> list[dict]:
             prompts += cell_prompts
             candidates += cell_candidates
         rows = rows_per_forward(cfg.batch_tokens, length)
+        extends = method_extends(cfg, ckpt, methods, length)
         for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
             ckpt.model.set_rope(rope)
             ckpt.model.set_extend(extends[method])

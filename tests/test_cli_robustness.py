@@ -87,6 +87,8 @@ ROWS = [
             "trials must be an integer >= 1, got 0.", post="nothing written to out"),
         Row("eval-extend-group-zero", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=0", 2,
             "extend group must be an integer >= 1 (a group size), got 0.", post="nothing written to out"),
+        Row("passkey-extend-group-word", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=fitted", 2,
+            "extend_options.group must be an integer >= 1 or `matched`, got 'fitted'.", post="nothing written to out"),
         Row("generate-extend-window-zero", GENERATE, "ckpt={RUN} prompt=ROMEO: extend=self_extend extend.window=0", 2,
             "extend window must be an integer >= 1 (a number of positions), got 0.", post="nothing printed"),
     ),

@@ -19,9 +19,11 @@ from model.extend import (
     grouped_key_positions,
     grouped_query_positions,
     logn_scale,
+    matched_group,
     merged_attention,
     neighbour_mask,
     override_extend,
+    self_extend_reach,
 )
 from model.hf import ExportError
 from model.kv_cache import KVCache
@@ -46,6 +48,15 @@ def rotate_pair(x: torch.Tensor, position: int, base: float = 10000.0) -> torch.
 # ----------------------------------------------------------------------------- the math
 
 
+def seen_distances(seq_len: int, window: int, group: int) -> torch.Tensor:
+    """(L, L): the distance each query sees to each key under Self-Extend (upper triangle unused)."""
+    pos = torch.arange(seq_len)
+    grouped = (
+        grouped_query_positions(pos, window, group)[:, None] - grouped_key_positions(pos, group)[None, :]
+    )
+    return torch.where(neighbour_mask(pos, pos, window), pos[:, None] - pos[None, :], grouped)
+
+
 def test_grouped_distances_match_the_hand_computed_table():
     """L=8, W=3, G=2: grouped query position q // 2 + 2, key k // 2; below the window the true distance.
     Row q lists the distance the query sees to keys 0..q, worked out by hand."""
@@ -59,12 +70,28 @@ def test_grouped_distances_match_the_hand_computed_table():
         [5, 5, 4, 4, 2, 1, 0],
         [5, 5, 4, 4, 3, 2, 1, 0],
     ]
-    pos = torch.arange(8)
-    near = neighbour_mask(pos, pos, window=3)
-    true = pos[:, None] - pos[None, :]
-    grouped = grouped_query_positions(pos, 3, 2)[:, None] - grouped_key_positions(pos, 2)[None, :]
-    seen = torch.where(near, true, grouped)
+    seen = seen_distances(8, window=3, group=2)
     assert [seen[q, : q + 1].tolist() for q in range(8)] == expected
+
+
+@pytest.mark.parametrize(
+    "seq_len, window, group", [(8, 3, 2), (100, 16, 4), (300, 64, 6), (50, 64, 8), (97, 5, 1)]
+)
+def test_reach_is_the_largest_distance_the_merge_shows(seq_len, window, group):
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    largest = seen_distances(seq_len, window, group)[causal].max().item()
+    assert self_extend_reach(seq_len, window, group) == largest
+
+
+def test_matched_group_is_the_least_group_that_stays_inside_the_training_length():
+    # hand-computed at W = 64, L0 = 256: G = 5 reaches 1023 // 5 + 64 - 12 = 256, G = 6 reaches 224
+    assert matched_group(1024, 64, 256) == 6 and matched_group(256, 64, 256) == 1
+    for seq_len in (100, 256, 257, 512, 1000, 4096):
+        group = matched_group(seq_len, 64, 256)
+        assert self_extend_reach(seq_len, 64, group) <= 255
+        assert group == 1 or self_extend_reach(seq_len, 64, group - 1) > 255
+    with pytest.raises(ValueError, match=r"extend window \(256\) must be below the training length \(256\)"):
+        matched_group(1024, 256, 256)
 
 
 def test_neighbour_mask_is_the_papers_triangle_difference():
