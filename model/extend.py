@@ -50,6 +50,8 @@ EXTEND_METHODS = tuple(m.value for m in ExtendMethod)
 # Bytes of the explicit score matrices of one block of queries in `merged_attention`: the queries
 # are processed in blocks so that a long sequence never holds (L, S) scores for every query at once.
 SCORE_BLOCK_BYTES = 64 * 2**20
+# The share of the training length a matched Self-Extend group's reach may use (`matched_group`).
+MATCHED_REACH = 0.75
 
 
 @dataclass(frozen=True)
@@ -134,15 +136,20 @@ def self_extend_reach(seq_len: int, window: int, group: int) -> int:
 
 
 def matched_group(seq_len: int, window: int, train_len: int) -> int:
-    """The smallest group size G whose reach at `seq_len` stays inside the training length (<= train_len
-    - 1), so no query sees a distance it was not trained on; 1 (plain attention) when seq_len fits.
-    Self-Extend's counterpart of a matched RoPE factor: the least compression that suffices."""
-    if window >= train_len:
+    """Self-Extend's counterpart of a matched RoPE factor: 1 (plain attention) when `seq_len` fits the
+    training length, else the least group size G whose reach stays within MATCHED_REACH of it. Not the
+    whole length: in training a distance d is seen only by the last train_len - d queries of a window,
+    so the distances near train_len are barely trained (docs/extrapolation.md measures the choice)."""
+    limit = int(MATCHED_REACH * train_len) - 1
+    if window > limit:
         raise ValueError(
-            f"extend window ({window}) must be below the training length ({train_len}) for a matched group."
+            f"extend window ({window}) must be at most {limit} ({MATCHED_REACH:.0%} of the training length "
+            f"{train_len}, less one) for a matched group."
         )
-    group = 1
-    while self_extend_reach(seq_len, window, group) > train_len - 1:  # ends: the reach tends to W < L0
+    if seq_len <= train_len:
+        return 1
+    group = 2
+    while self_extend_reach(seq_len, window, group) > limit:  # ends: the reach falls to W as G grows
         group += 1
     return group
 

@@ -139,14 +139,14 @@ def test_grid_composes_extensions_with_rope_scalings(run_dir, tmp_path):
 
 def test_matched_group_gives_each_length_the_least_group_that_fits(run_dir, tmp_path):
     """extend_options.group=matched scores length T exactly as the fixed group matched_group(T) does:
-    at W = 16, L0 = 32, length 128 takes G = 8 (127 // 7 + 16 - 2 = 32 reaches past 31, G = 8 does not),
-    and a length inside the training length takes G = 1, plain attention."""
+    at W = 16, L0 = 32 (reach at most 23), length 128 takes G = 15 (127 // 14 + 16 - 1 = 24, 127 // 15 +
+    16 - 1 = 23), and a length inside the training length takes G = 1, plain attention."""
     grid = ["methods=[none,self_extend]", "extend_options.window=16"]
-    for name, lengths, group in [("matched", "[32,128]", "matched"), ("g8", "[128]", "8")]:
+    for name, lengths, group in [("matched", "[32,128]", "matched"), ("g15", "[128]", "15")]:
         eval_extrapolation.run(
             eval_cfg(run_dir, tmp_path / name, f"lengths={lengths}", *grid, f"extend_options.group={group}")
         )
-    matched, fixed = rows_by(tmp_path / "matched" / "results.csv"), rows_by(tmp_path / "g8" / "results.csv")
+    matched, fixed = rows_by(tmp_path / "matched" / "results.csv"), rows_by(tmp_path / "g15" / "results.csv")
     for metric in ("ppl", "tail_ppl"):
         assert matched["self_extend", 128, metric]["value"] == fixed["self_extend", 128, metric]["value"]
         assert matched["self_extend", 128, metric]["value"] != matched["none", 128, metric]["value"]

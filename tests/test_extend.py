@@ -83,15 +83,16 @@ def test_reach_is_the_largest_distance_the_merge_shows(seq_len, window, group):
     assert self_extend_reach(seq_len, window, group) == largest
 
 
-def test_matched_group_is_the_least_group_that_stays_inside_the_training_length():
-    # hand-computed at W = 64, L0 = 256: G = 5 reaches 1023 // 5 + 64 - 12 = 256, G = 6 reaches 224
-    assert matched_group(1024, 64, 256) == 6 and matched_group(256, 64, 256) == 1
-    for seq_len in (100, 256, 257, 512, 1000, 4096):
+def test_matched_group_is_the_least_group_within_three_quarters_of_the_training_length():
+    # hand-computed at W = 64, L0 = 256 (reach at most 191): G = 7 reaches 1023 // 7 + 64 - 9 = 201, G = 8 183
+    assert matched_group(1024, 64, 256) == 8 and matched_group(4096, 64, 256) == 32
+    assert matched_group(256, 64, 256) == 1  # inside the training length: plain attention
+    for seq_len in (257, 512, 1000, 4096, 20000):
         group = matched_group(seq_len, 64, 256)
-        assert self_extend_reach(seq_len, 64, group) <= 255
-        assert group == 1 or self_extend_reach(seq_len, 64, group - 1) > 255
-    with pytest.raises(ValueError, match=r"extend window \(256\) must be below the training length \(256\)"):
-        matched_group(1024, 256, 256)
+        assert self_extend_reach(seq_len, 64, group) <= 191
+        assert group == 2 or self_extend_reach(seq_len, 64, group - 1) > 191
+    with pytest.raises(ValueError, match=r"extend window \(192\) must be at most 191 \(75% of the training"):
+        matched_group(1024, 192, 256)
 
 
 def test_neighbour_mask_is_the_papers_triangle_difference():
