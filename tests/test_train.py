@@ -161,6 +161,24 @@ def test_ema_checkpoints_hold_the_average_and_resume_both_trajectories(tmp_path,
     assert torch.equal(last_weights(full)["embed.weight"], average)  # what generate.py and the scripts load
 
 
+def test_ema_validates_and_saves_the_raw_weights_before_its_first_update(tmp_path, corpus):
+    keep = "callbacks.checkpoint.keep_all=true"
+    _, plain = run_train(tmp_path, corpus, keep, name="plain")
+    _, ema = run_train(
+        tmp_path, corpus, keep, "callbacks=ema", "callbacks.ema.update_starting_at_step=15", name="ema"
+    )
+
+    def val_losses(run_dir: Path) -> list[str]:
+        with open(run_dir / "metrics.csv") as f:
+            return [r["val/loss"] for r in csv.DictReader(f) if r.get("val/loss")]
+
+    (plain_10, plain_20), (ema_10, ema_20) = val_losses(plain), val_losses(ema)
+    assert ema_10 == plain_10 and ema_20 != plain_20  # step 10: not averaging yet; step 20: the average
+    at_10 = [safe_load(run / "checkpoints" / "step000010.ckpt")["state_dict"] for run in (plain, ema)]
+    for name in at_10[0]:
+        assert torch.equal(at_10[0][name], at_10[1][name]), name
+
+
 def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corpus):
     _, base = run_train(tmp_path, corpus, "trainer.max_steps=10", name="base")
     base_weights = last_weights(base)

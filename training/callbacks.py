@@ -13,7 +13,7 @@ from typing import ClassVar
 import lightning as L
 import torch
 from hydra.experimental.callback import Callback as HydraCallback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -91,6 +91,32 @@ class SaveLastCheckpoint(L.Callback):
             self._save(trainer)
             if trainer.is_global_zero:
                 print(f"\nSIGTERM at step {trainer.global_step}: saved {self.path}", flush=True)
+
+
+class EMAWeights(EMAWeightAveraging):
+    """Lightning's EMA of the weights (validation, checkpoints' `state_dict` and the final weights are the
+    average; the raw weights stay under `current_model_state`), except before its first update: Lightning's
+    would validate, save and end training with the initial weights it copied at setup, so with
+    `update_starting_at_step` every earlier validation and checkpoint would score an untrained model."""
+
+    def _averaging(self) -> bool:
+        return self._average_model is not None and int(self._average_model.n_averaged) > 0
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():  # n_averaged does not change during validation: the swap is undone
+            super().on_validation_epoch_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:
+        if self._averaging():
+            super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():
+            super().on_train_end(trainer, pl_module)
 
 
 def step_checkpoint(dirpath: str | Path, every_n_train_steps: int, keep_all: bool = False) -> ModelCheckpoint:
