@@ -74,14 +74,12 @@ def check_common(cfg: DictConfig) -> None:
     for method in methods:
         check_method(str(method))
     options = extend_options(cfg)
-    if isinstance(
-        options.get("group"), str
-    ):  # `matched` is resolved per length once the training length is known
-        if options["group"] != MATCHED:
-            raise ValueError(
-                f"extend_options.group must be an integer >= 1 or `matched`, got {options['group']!r}."
-            )
-        options["group"] = 1
+    if options.get("group") == MATCHED:
+        options["group"] = 1  # resolved per length once the checkpoint's training length is known
+    elif isinstance(options.get("group"), str):
+        raise ValueError(
+            f"extend_options.group must be an integer >= 1 or `matched`, got {options['group']!r}."
+        )
     override_extend(ExtendConfig(), options)  # a bad window or group fails before the load
     check_output_dir(str(cfg.out))
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
@@ -115,7 +113,7 @@ def extend_options(cfg: DictConfig) -> dict:
 
 def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
     """{method: ExtendConfig} for one evaluation length; group `matched` = the least group whose reach
-    at that length stays inside the training length (model/extend.py's matched_group)."""
+    at that length stays within 3/4 of the training length (model/extend.py's matched_group)."""
     train_len = train_length(ckpt)
     options = extend_options(cfg)
     if options.get("group") == MATCHED:
