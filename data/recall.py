@@ -27,6 +27,9 @@ Design, and why:
 
 - Shared nouns (`shared_noun_share`): a share of windows whose tags all end in one noun, so a question is
   matched by more than the token before " is" (the passkey's " ke"+"y is" ends like the filler's " sk"+"y is").
+- Decoys (`decoy_share`): a share of windows also state one never-asked fact several times, its tag sharing the
+  noun of an asked fact ("old bell" beside "iron bell"), so a question's last tokens match a repeated wrong value
+  more often than the right one, as the passkey's filler repeats " sk"+"y is blue" a dozen times.
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
 
@@ -70,6 +73,10 @@ START_FRACTION = 0.75  # at the start of the curriculum, facts go into the windo
 # The haystack's first FAR_SPAN is where `far_share` of the windows put their first fact: the
 # passkey at depth 0 sits a whole window back, a distance uniform placement seldom trains.
 FAR_SPAN = 0.1
+# Times a decoy fact is stated (uniform, inclusive); the passkey's filler repeats its sentences ~12 times.
+DECOY_REPEATS = (2, 8)
+DECOY_TEMPLATE = TEMPLATES[0][0]  # the shortest fact wording, so repeats fit beside the facts
+MIN_HAYSTACK = 0.25  # decoys are dropped rather than shrink the haystack below this share of the window
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,11 @@ class RecallConfig:
     # the first answer token decides between copying the value and continuing the text, and at weight 1
     # the answers are ~2% of a batch's loss (docs/data.md, tenth round). 1 = off: batches stay (x, y).
     answer_weight: float = 1.0
+    # Share of recall windows (at full curriculum; scaled by its progress, so the copy forms first) holding a
+    # decoy: one never-asked fact stated 2-8 times whose tag shares an asked fact's noun. The passkey's
+    # question shares its last tokens with the filler's "The sky is blue.", repeated a dozen times, and the
+    # misses of eleven rounds are that filler's " blue" or a newline (docs/data.md, twelfth round).
+    decoy_share: float = 0.0
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -142,6 +154,7 @@ class RecallWindow:
     facts: list[tuple[str, int]]  # (tag, value) in the order they occur in the window
     asked: list[int]  # indices into `facts`, in the order the questions ask them
     answers: list[tuple[int, int]]  # token span [start, end) of each question's answer in `tokens`
+    decoys: list[tuple[str, int]]  # (tag, value) of the never-asked decoy statements, one entry per repeat
 
 
 class RecallMixer:
@@ -271,7 +284,10 @@ class RecallMixer:
             tail += self.tok.encode(opening + query_text.format(tag=tags[i]))
             answers.append((len(tail), len(tail) + len(answer := self.tok.encode(f" {values[i]}"))))
             tail += answer
-        n_hay = n_total - sum(map(len, statements)) - len(tail)
+        decoy = self.decoy(rng, tags, values, asked[0], flat, progress)
+        n_repeats = min(decoy[2], self.decoy_room(n_total, statements, tail, decoy[1])) if decoy else 0
+        statements_len = sum(map(len, statements)) + n_repeats * (len(decoy[1]) if decoy else 0)
+        n_hay = n_total - statements_len - len(tail)
         if n_hay < 1:  # only for a haystack shorter than the window_len checked in __init__
             raise DataError(
                 f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
@@ -287,8 +303,12 @@ class RecallMixer:
         if rng.random() < cfg.far_share * progress:
             early = candidates[candidates <= FAR_SPAN * n_hay]
             at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
+        inserts = list(zip(at.tolist(), statements))
+        if n_repeats:  # at line starts (sentence ends) anywhere, as the filler repeats throughout its prompt
+            inserts += [(int(p), decoy[1]) for p in rng.choice(candidates, size=n_repeats)]
+        inserts.sort(key=lambda item: item[0])  # stable: facts stay in drawn order
         pieces, prev = [], 0
-        for pos, statement in zip(at, statements):
+        for pos, statement in inserts:
             pieces += [hay[prev:pos], np.asarray(statement, dtype=np.int64)]
             prev = pos
         pieces += [hay[prev:], np.asarray(tail, dtype=np.int64)]
@@ -299,4 +319,35 @@ class RecallMixer:
             list(zip(tags, values)),
             asked,
             [(offset + a, offset + b) for a, b in answers],
+            [decoy[0]] * n_repeats if decoy else [],
         )
+
+    def decoy(
+        self,
+        rng: np.random.Generator,
+        tags: list[str],
+        values: list[int],
+        target: int,
+        flat: bool,
+        progress: float,
+    ) -> tuple[tuple[str, int], list[int], int] | None:
+        """With probability decoy_share * progress (no draw when off): ((tag, value), its statement's tokens,
+        repeats). The tag is another adjective on the noun of fact `target` (an asked one), the value a
+        5-digit number none of the facts has."""
+        share = self.config.decoy_share
+        if share == 0 or rng.random() >= share * progress:
+            return None
+        noun = tags[target].split()[-1]
+        adjectives = [a for a in ADJECTIVES if f"{a} {noun}" not in tags]
+        tag = f"{adjectives[rng.integers(len(adjectives))]} {noun}"
+        value = int(rng.integers(*VALUE_RANGE))
+        while value in values:
+            value = int(rng.integers(*VALUE_RANGE))
+        statement = self.tok.encode(FORMS[flat].format(DECOY_TEMPLATE.format(tag=tag, value=value)))
+        return (tag, value), statement, int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
+
+    @staticmethod
+    def decoy_room(n_total: int, statements: list[list[int]], tail: list[int], decoy: list[int]) -> int:
+        """How many decoy statements fit while the haystack keeps MIN_HAYSTACK of the window."""
+        free = n_total - int(MIN_HAYSTACK * n_total) - sum(map(len, statements)) - len(tail)
+        return max(0, free // len(decoy))

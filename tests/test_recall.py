@@ -152,6 +152,32 @@ def test_shared_noun_windows_tell_facts_apart_only_by_the_adjective(tok):
         assert low <= sum(shared) <= high
 
 
+def test_decoys_repeat_a_never_asked_fact_on_an_asked_facts_noun(tok):
+    """decoy_share 1 at full curriculum: a fact with another adjective on the first asked fact's noun and a
+    value no fact has, stated 2-8 times (as room allows), never asked; the answers still copy the asked facts.
+    At the curriculum's start, and with decoy_share 0 (the default), no window has one, and 0 draws nothing:
+    the windows are those of a config without the key."""
+    options = {"fraction": 1.0, "min_pairs": 2, "max_pairs": 4, "queries": 2, "shared_noun_share": 0.5}
+    mixer = RecallMixer(tok, RecallConfig.from_options({**options, "decoy_share": 1.0}), 513)
+    rng, counts = np.random.default_rng(7), []
+    for _ in range(60):
+        w = mixer.window(rng, haystack(tok, 513), progress=1.0)
+        text = tok.decode(w.tokens.tolist())
+        counts.append(len(w.decoys))
+        if not w.decoys:
+            continue
+        (tag, value), tags = w.decoys[0], [t for t, _ in w.facts]
+        assert set(w.decoys) == {(tag, value)} and tag not in tags
+        assert tag.split()[1] == tags[w.asked[0]].split()[1] and value not in {v for _, v in w.facts}
+        assert text.count(f"The {tag} is {value}.\n") == len(w.decoys)  # whole lines, each its own
+        for (a, b), i in zip(w.answers, w.asked):
+            assert tok.decode(w.tokens[a:b].tolist()) == f" {w.facts[i][1]}" and w.facts[i][0] != tag
+    assert max(counts) <= 8 and np.mean([c >= 2 for c in counts]) > 0.8
+    assert not any(mixer.window(rng, haystack(tok, 513), progress=0.0).decoys for _ in range(20))
+    off = [w.tokens for w in windows(tok, seed=8, length=513, **options, decoy_share=0.0)]
+    assert all(np.array_equal(a, b.tokens) for a, b in zip(off, windows(tok, seed=8, length=513, **options)))
+
+
 def test_options_are_checked():
     assert RecallConfig.from_options(None).fraction == 0.0
     with pytest.raises(DataError, match=r"data.recall keys \['fration'\] are unknown"):
