@@ -284,10 +284,9 @@ class RecallMixer:
             tail += self.tok.encode(opening + query_text.format(tag=tags[i]))
             answers.append((len(tail), len(tail) + len(answer := self.tok.encode(f" {values[i]}"))))
             tail += answer
-        decoy = self.decoy(rng, tags, values, asked[0], flat, progress)
-        n_repeats = min(decoy[2], self.decoy_room(n_total, statements, tail, decoy[1])) if decoy else 0
-        statements_len = sum(map(len, statements)) + n_repeats * (len(decoy[1]) if decoy else 0)
-        n_hay = n_total - statements_len - len(tail)
+        free = n_total - int(MIN_HAYSTACK * n_total) - sum(map(len, statements)) - len(tail)
+        decoy, decoy_tokens, n_repeats = self.decoy(rng, tags, values, asked[0], flat, progress, free)
+        n_hay = n_total - sum(map(len, statements)) - n_repeats * len(decoy_tokens) - len(tail)
         if n_hay < 1:  # only for a haystack shorter than the window_len checked in __init__
             raise DataError(
                 f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
@@ -305,7 +304,7 @@ class RecallMixer:
             at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
         inserts = list(zip(at.tolist(), statements))
         if n_repeats:  # at line starts (sentence ends) anywhere, as the filler repeats throughout its prompt
-            inserts += [(int(p), decoy[1]) for p in rng.choice(candidates, size=n_repeats)]
+            inserts += [(int(p), decoy_tokens) for p in rng.choice(candidates, size=n_repeats)]
         inserts.sort(key=lambda item: item[0])  # stable: facts stay in drawn order
         pieces, prev = [], 0
         for pos, statement in inserts:
@@ -319,7 +318,7 @@ class RecallMixer:
             list(zip(tags, values)),
             asked,
             [(offset + a, offset + b) for a, b in answers],
-            [decoy[0]] * n_repeats if decoy else [],
+            [decoy] * n_repeats,
         )
 
     def decoy(
@@ -330,13 +329,14 @@ class RecallMixer:
         target: int,
         flat: bool,
         progress: float,
-    ) -> tuple[tuple[str, int], list[int], int] | None:
+        free: int,
+    ) -> tuple[tuple[str, int] | None, list[int], int]:
         """With probability decoy_share * progress (no draw when off): ((tag, value), its statement's tokens,
-        repeats). The tag is another adjective on the noun of fact `target` (an asked one), the value a
-        5-digit number none of the facts has."""
+        repeats), the repeats capped to what `free` tokens hold; else (None, [], 0). The tag is another
+        adjective on the noun of fact `target` (an asked one), the value a 5-digit number no fact has."""
         share = self.config.decoy_share
         if share == 0 or rng.random() >= share * progress:
-            return None
+            return None, [], 0
         noun = tags[target].split()[-1]
         adjectives = [a for a in ADJECTIVES if f"{a} {noun}" not in tags]
         tag = f"{adjectives[rng.integers(len(adjectives))]} {noun}"
@@ -344,10 +344,5 @@ class RecallMixer:
         while value in values:
             value = int(rng.integers(*VALUE_RANGE))
         statement = self.tok.encode(FORMS[flat].format(DECOY_TEMPLATE.format(tag=tag, value=value)))
-        return (tag, value), statement, int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
-
-    @staticmethod
-    def decoy_room(n_total: int, statements: list[list[int]], tail: list[int], decoy: list[int]) -> int:
-        """How many decoy statements fit while the haystack keeps MIN_HAYSTACK of the window."""
-        free = n_total - int(MIN_HAYSTACK * n_total) - sum(map(len, statements)) - len(tail)
-        return max(0, free // len(decoy))
+        repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
+        return (tag, value), statement, min(repeats, max(0, free // len(statement)))
