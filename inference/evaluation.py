@@ -244,9 +244,9 @@ def answer_and_rank(
     prompts: Sequence[Sequence[int]],
     candidates: Sequence[Sequence[Sequence[int]]],
     max_new_tokens: int,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's greedy continuation and its candidates' log-probs, from ONE prefill: the long
-    prompt is the cost, the few new tokens are not.
+) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
+    """Each prompt's greedy continuation, its candidates' log-probs and its next-token log-probs,
+    from ONE prefill: the long prompt is the cost, the few new tokens are not.
 
     prompts: B token lists, left padded into one forward (row i at positions 0..n_i-1, as alone).
     candidates: per prompt, C non-empty token lists (the same C for every prompt).
@@ -255,7 +255,8 @@ def answer_and_rank(
     forward, rewound again between candidates. Dynamic NTK is fixed for the longest prompt +
     max(max_new_tokens, its longest candidate) of any row, which is each row's own (as alone) when
     they all share it (`forward_groups`).
-    Returns (B greedy token lists of max_new_tokens, B lists of C summed log-probs).
+    Returns (B greedy token lists of max_new_tokens, B lists of C summed log-probs, the (B, V) float32
+    log-probs of the token after each prompt).
     """
     counts = sorted({len(row) for row in candidates})
     if len(candidates) != len(prompts) or len(counts) != 1:
@@ -296,4 +297,4 @@ def answer_and_rank(
         sizes = torch.tensor([len(c) for c in column], device=device)
         real = torch.arange(width, device=device) < sizes[:, None]  # (B, width): each row's own tokens
         scores.append(logprobs.where(real, 0.0).sum(1))
-    return greedy, torch.stack(scores, 1).tolist()
+    return greedy, torch.stack(scores, 1).tolist(), last[:, -1].float().log_softmax(-1)

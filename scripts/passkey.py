@@ -63,6 +63,16 @@ def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: 
     return [tok.encode(f" {k}") for k in (key, *random_keys(rng, count - 1, exclude=key))]
 
 
+def first_token_margin(next_logprobs: torch.Tensor, token: int) -> tuple[float, int]:
+    """How far the answer's first token leads after the prompt: its log-prob minus that of the most
+    likely other token (nats; > 0 means greedy decoding starts the answer), and that other token.
+    next_logprobs: (V,) log-probs of the token after the prompt."""
+    others = next_logprobs.clone()
+    others[token] = float("-inf")
+    runner_up = int(others.argmax())
+    return float(next_logprobs[token] - others[runner_up]), runner_up
+
+
 def answer_prompts(
     model,
     tok: Tokenizer,
@@ -76,16 +86,20 @@ def answer_prompts(
     its true key first. `forward_groups` keeps every prompt's result equal to answering it alone."""
     answers: list[str] = [""] * len(prompts)
     scores: list[list[float]] = [[] for _ in prompts]
+    margins: list[tuple[float, int]] = [(0.0, 0)] * len(prompts)
     lengths = [answered_length(len(p.tokens), c, max_new_tokens) for p, c in zip(prompts, candidates)]
     for group in forward_groups(lengths, rows, model.rope.is_dynamic):
-        greedy, logprobs = answer_and_rank(
+        greedy, logprobs, next_logprobs = answer_and_rank(
             model, [prompts[i].tokens for i in group], [candidates[i] for i in group], max_new_tokens
         )
-        for i, new, row in zip(group, greedy, logprobs):
+        for i, new, row, after in zip(group, greedy, logprobs, next_logprobs):
             answers[i] = tok.decode(new[: new.index(tok.eos_id)] if tok.eos_id in new else new)  # eos ends it
             scores[i] = row
+            margins[i] = first_token_margin(after, candidates[i][0][0])  # candidates[i][0]: the true key
     out_rows = []
-    for p, answer, (key_logprob, *decoy_logprobs) in zip(prompts, answers, scores):
+    for p, answer, (key_logprob, *decoy_logprobs), (margin, runner_up) in zip(
+        prompts, answers, scores, margins
+    ):
         rank = 1 + sum(d > key_logprob for d in decoy_logprobs)  # 1 = the key is the most likely (ties too)
         out_rows.append(
             {
@@ -97,6 +111,8 @@ def answer_prompts(
                 "rank_correct": int(rank == 1),
                 "key_rank": rank,
                 "key_logprob": key_logprob,
+                "first_margin": margin,
+                "runner_up": tok.decode([runner_up]),
             }
         )
     return out_rows
@@ -104,7 +120,9 @@ def answer_prompts(
 
 def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
     """Greedy and ranking accuracy of the trials grouped by the keys `by` (in first-seen order), with
-    the Wilson 95% interval of the greedy accuracy."""
+    the Wilson 95% interval of the greedy accuracy, and the mean and median first-token margin (how far
+    the answer's first token led the most likely other one, in nats: a continuous view of the greedy
+    score, whose misses are decided by the first token)."""
     cells: dict[tuple, list[dict]] = {}
     for t in trials:
         cells.setdefault(tuple(t[k] for k in by), []).append(t)
@@ -120,6 +138,8 @@ def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
                 "greedy_low": low,
                 "greedy_high": high,
                 "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
+                "first_margin_mean": float(np.mean([r["first_margin"] for r in rows])),
+                "first_margin_median": float(np.median([r["first_margin"] for r in rows])),
             }
         )
     return table
@@ -272,7 +292,8 @@ def run(cfg: DictConfig) -> list[dict]:
             plot_heatmaps(cell_rows, f"{task}, {method}", chance, out / f"{task}_{method}.png")
             print(
                 f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%}, "
-                f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells"
+                f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells, "
+                f"first-token margin {np.mean([r['first_margin_mean'] for r in cell_rows]):+.2f} nats"
             )
     print(
         f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit answer). "

@@ -348,10 +348,19 @@ def test_one_prefill_answers_as_generate_and_ranks_as_scoring_alone(run_dir, tok
     prompts = [build_prompt("passkey", tok, length, 0.5, rng).tokens for length in (200, 300)]
     candidates = [[tok.encode(f" {k}") for k in (1234567, 7654321, 4444444)] for _ in prompts]
     assert {len(c) for row in candidates for c in row} == {8}  # " " and 7 digits: as long as the answer
-    greedy, scores = answer_and_rank(model, prompts, candidates, max_new_tokens=8)
+    greedy, scores, next_logprobs = answer_and_rank(model, prompts, candidates, max_new_tokens=8)
     assert greedy == generate(model, prompts, 8, GREEDY).tokens and {len(g) for g in greedy} == {8}
     np.testing.assert_allclose(scores, continuation_logprobs(model, prompts, candidates), atol=1e-5)
+    assert next_logprobs.argmax(-1).tolist() == [g[0] for g in greedy]  # the log-probs greedy chose from
+    torch.testing.assert_close(next_logprobs.exp().sum(-1), torch.ones(2))
     assert answer_and_rank(model, prompts, candidates, max_new_tokens=0)[0] == [[], []]
+
+
+def test_first_token_margin_is_the_lead_over_the_best_other_token():
+    logprobs = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()
+    assert passkey.first_token_margin(logprobs, 1) == (pytest.approx(np.log(0.5 / 0.2)), 2)  # ties: the first
+    margin, runner_up = passkey.first_token_margin(logprobs, 0)
+    assert margin == pytest.approx(np.log(0.1 / 0.5)) and runner_up == 1  # negative: greedy writes token 1
 
 
 def test_forward_groups_share_a_forward_only_at_one_dynamic_length():
@@ -374,15 +383,20 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
     candidates = [passkey.candidate_tokens(tok, p.answer, rng, 4) + [tok.encode(" 7")] for p in prompts]
     assert len({len(p.tokens) for p in prompts}) == 3  # really padded
     batched = passkey.answer_prompts(model, tok, prompts, candidates, max_new_tokens=6, rows=3)
+    for row, p, c in zip(batched, prompts, candidates):  # the margin's sign: did greedy begin with the key?
+        [[first]] = generate(model, [p.tokens], 1, GREEDY).tokens
+        assert (row["first_margin"] > 0) == (first == c[0][0])
+        assert (row["runner_up"] == tok.decode([first])) == (row["first_margin"] < 0)
     alone = [
         passkey.answer_prompts(model, tok, [p], [c], max_new_tokens=6, rows=1)[0]
         for p, c in zip(prompts, candidates)
     ]
+    floats = ("key_logprob", "first_margin")
     for b, a in zip(batched, alone):
-        assert {k: v for k, v in b.items() if k != "key_logprob"} == {
-            k: v for k, v in a.items() if k != "key_logprob"
+        assert {k: v for k, v in b.items() if k not in floats} == {
+            k: v for k, v in a.items() if k not in floats
         }
-        assert b["key_logprob"] == pytest.approx(a["key_logprob"], abs=1e-4)
+        assert [b[k] for k in floats] == pytest.approx([a[k] for k in floats], abs=1e-4)
     scores_alone = [continuation_logprobs(model, [p.tokens], [c])[0] for p, c in zip(prompts, candidates)]
     scores = continuation_logprobs(model, [p.tokens for p in prompts], candidates)  # one forward, padded
     if method == "dynamic_ntk":  # its frequencies follow the longest row: why forward_groups splits them
