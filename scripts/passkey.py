@@ -84,22 +84,18 @@ def answer_prompts(
     """Greedy answers and likelihood ranks of `prompts`, `rows` prompts per forward (left padded),
     one prefill per prompt for both (`answer_and_rank`); candidates[i] are prompt i's continuations,
     its true key first. `forward_groups` keeps every prompt's result equal to answering it alone."""
-    answers: list[str] = [""] * len(prompts)
-    scores: list[list[float]] = [[] for _ in prompts]
-    margins: list[tuple[float, int]] = [(0.0, 0)] * len(prompts)
+    answered: dict[int, tuple] = {}  # prompt index -> (answer text, candidate log-probs, (margin, runner-up))
     lengths = [answered_length(len(p.tokens), c, max_new_tokens) for p, c in zip(prompts, candidates)]
     for group in forward_groups(lengths, rows, model.rope.is_dynamic):
         greedy, logprobs, next_logprobs = answer_and_rank(
             model, [prompts[i].tokens for i in group], [candidates[i] for i in group], max_new_tokens
         )
         for i, new, row, after in zip(group, greedy, logprobs, next_logprobs):
-            answers[i] = tok.decode(new[: new.index(tok.eos_id)] if tok.eos_id in new else new)  # eos ends it
-            scores[i] = row
-            margins[i] = first_token_margin(after, candidates[i][0][0])  # candidates[i][0]: the true key
+            answer = tok.decode(new[: new.index(tok.eos_id)] if tok.eos_id in new else new)  # eos ends it
+            answered[i] = answer, row, first_token_margin(after, candidates[i][0][0])  # [0]: the true key
     out_rows = []
-    for p, answer, (key_logprob, *decoy_logprobs), (margin, runner_up) in zip(
-        prompts, answers, scores, margins
-    ):
+    for i, p in enumerate(prompts):
+        answer, (key_logprob, *decoy_logprobs), (margin, runner_up) = answered[i]
         rank = 1 + sum(d > key_logprob for d in decoy_logprobs)  # 1 = the key is the most likely (ties too)
         out_rows.append(
             {
