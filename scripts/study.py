@@ -171,13 +171,26 @@ def orderings(table: list[dict]) -> str:
 # (name, trials.csv column): the exact answer (greedy decoding), and the key scored above the other
 # candidates (scripts/passkey.py), which separates methods where exact copies are rare
 RETRIEVAL_METRICS = (("greedy", "greedy_correct"), ("ranking", "rank_correct"))
+# The answer's first-token log-prob minus the best other token's (nats): continuous, so its paired
+# differences can order methods whose greedy accuracies tie. trials.csv files older than it lack it.
+MARGIN = ("margin", "first_margin")
+
+
+def seed_means(rows: list[dict], column: str) -> list[float]:
+    """The mean of `column` over each seed's rows, one value per seed."""
+    per_seed = defaultdict(list)
+    for r in rows:
+        per_seed[r["seed"]].append(r[column])
+    return [float(np.mean(v)) for v in per_seed.values()]
 
 
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     """Greedy and ranking accuracy per (task, model/method, length) pooled over seeds, each with its
-    Wilson 95% interval and the range of the per-seed accuracies; paired differences of each between
-    the base model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
+    Wilson 95% interval and the range of the per-seed accuracies, and the mean first-token margin with
+    its range over seeds (when every trial has one); paired differences of each between the base
+    model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
     -> (accuracy rows, paired rows, markdown)."""
+    has_margin = all(MARGIN[1] in t for t in trials)
     cells = defaultdict(list)
     for t in trials:
         cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
@@ -187,30 +200,36 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
         row = {"task": task, "method": method, "length": length, "trials": len(rows), "seeds": seeds}
         for name, column in RETRIEVAL_METRICS:
             correct = sum(r[column] for r in rows)
-            per_seed = defaultdict(list)
-            for r in rows:
-                per_seed[r["seed"]].append(r[column])
-            seed_acc = [float(np.mean(v)) for v in per_seed.values()]
+            seed_acc = seed_means(rows, column)
             low, high = wilson_interval(correct, len(rows))
             row |= {f"{name}_acc": correct / len(rows), f"{name}_low": low, f"{name}_high": high,
                     f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
+        if has_margin:
+            seed_margin = seed_means(rows, MARGIN[1])
+            row |= {"margin_mean": float(np.mean([r[MARGIN[1]] for r in rows])),
+                    "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
         accuracy.append(row)
     text, paired = [], []
     base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
     for t in trials:
         if t["model"].startswith("base"):
             base_trials[t["task"], t["length"]].append(t)
+    metrics = RETRIEVAL_METRICS + ((MARGIN,) if has_margin else ())
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
-        for name, column in RETRIEVAL_METRICS:
-            text += [f"\n### {task}: {name} accuracy, pooled over seeds [Wilson 95%]\n",
+        for name, column in metrics:
+            title = (
+                "first-token margin (nats), mean over prompts [range of the seeds' means]"
+                if name == MARGIN[0]
+                else f"{name} accuracy, pooled over seeds [Wilson 95%]"
+            )
+            text += [f"\n### {task}: {title}\n",
                      "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
             for method in dict.fromkeys(r["method"] for r in sel):
                 cell = {r["length"]: r for r in sel if r["method"] == method}
                 text.append(f"| {method} | " + " | ".join(
-                    f"{cell[t][f'{name}_acc']:.0%} [{cell[t][f'{name}_low']:.0%}, {cell[t][f'{name}_high']:.0%}]"
-                    if t in cell else "—" for t in lengths) + " |")  # fmt: skip
+                    "—" if t not in cell else retrieval_cell(cell[t], name) for t in lengths) + " |")  # fmt: skip
             for length in lengths:
                 by_method = defaultdict(dict)
                 for t in base_trials[task, length]:
@@ -225,6 +244,13 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}"
                 )
     return accuracy, paired, "\n".join(text) + "\n"
+
+
+def retrieval_cell(row: dict, name: str) -> str:
+    """One table cell: an accuracy with its Wilson interval, or the mean margin with its seed range."""
+    if name == MARGIN[0]:
+        return f"{row['margin_mean']:+.2f} [{row['margin_seed_min']:+.2f}, {row['margin_seed_max']:+.2f}]"
+    return f"{row[f'{name}_acc']:.0%} [{row[f'{name}_low']:.0%}, {row[f'{name}_high']:.0%}]"
 
 
 def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> None:

@@ -689,3 +689,37 @@ def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
     assert "(greedy), base models, T = 512: significant orderings (95%): yarn < none" in text
     assert "(ranking), base models, T = 512: significant orderings (95%): none" in text
     assert "| base/yarn | 100% [" in text and "### passkey: ranking accuracy" in text
+    assert "margin" not in text and "margin_mean" not in none  # trials.csv files without the margin column
+
+
+def test_study_retrieval_tables_compare_first_token_margins():
+    """yarn's margin is none's plus 0.5 on every prompt (+ noise shared by both), on seed-specific
+    levels: the mean, the seeds' range and the significant ordering follow from that construction."""
+    rng = np.random.default_rng(0)
+    trials = []
+    for seed, level in ((0, -1.0), (1, 1.0)):
+        for depth in (0.0, 0.5, 1.0):
+            for trial in range(5):
+                shared = float(rng.normal())
+                for method, shift in (("none", 0.0), ("yarn", 0.5)):
+                    trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
+                                   "depth": depth, "trial": trial, "greedy_correct": 1, "rank_correct": 1,
+                                   "first_margin": level + shared + shift})  # fmt: skip
+    accuracy, paired, text = study.retrieval_tables(trials)
+    none, yarn = (next(r for r in accuracy if r["method"] == f"base/{m}") for m in ("none", "yarn"))
+    margins = {
+        s: [t["first_margin"] for t in trials if t["method"] == "none" and t["seed"] == s] for s in (0, 1)
+    }
+    assert none["margin_mean"] == pytest.approx(np.mean(margins[0] + margins[1]))
+    assert (none["margin_seed_min"], none["margin_seed_max"]) == pytest.approx(
+        (min(map(np.mean, margins.values())), max(map(np.mean, margins.values())))
+    )
+    assert yarn["margin_mean"] == pytest.approx(none["margin_mean"] + 0.5)
+    margin_row = next(r for r in paired if r["metric"] == "margin")
+    assert margin_row["better"] == "yarn" and margin_row["significant"]
+    assert margin_row["diff"] == pytest.approx(-0.5 if margin_row["a"] == "none" else 0.5)
+    tied = [r["significant"] for r in paired if r["metric"] != "margin"]
+    assert tied == [False, False]  # greedy and ranking: every prompt right with both methods
+    assert "### passkey: first-token margin (nats)" in text
+    assert f"| base/yarn | {yarn['margin_mean']:+.2f} [" in text
+    assert "(margin), base models, T = 512: significant orderings (95%): yarn < none" in text
