@@ -88,6 +88,29 @@ def test_scheduler_scales_muon_and_adamw_learning_rates():
     assert optimizer.adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1)
 
 
+def test_scheduler_reaches_muon_and_adamw_after_a_resume():
+    """Resuming loads the optimizer's state after the scheduler was built (as Lightning does): the
+    schedule must still set the inner optimizers' learning rates, not a stale copy of their groups."""
+    model = tiny_model()
+    optimizer = opt(model, "muon")
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 2, 10, 0.1))
+    for _ in range(4):
+        train_steps(model, optimizer, 1)
+        schedule.step()
+    resumed = opt(copy.deepcopy(model), "muon")
+    resumed_schedule = torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: warmup_cosine(s, 2, 10, 0.1))
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    resumed_schedule.load_state_dict(schedule.state_dict())
+    for _ in range(6):
+        resumed_schedule.step()
+    assert resumed.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.1)
+    assert resumed.adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1)
+    assert [g["lr"] for g in resumed.param_groups] == [
+        *(g["lr"] for g in resumed.muon.param_groups),
+        *(g["lr"] for g in resumed.adamw.param_groups),
+    ]
+
+
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_optimizer_state_round_trip_resumes_exactly(name):
     """A resumed optimizer (state_dict -> load_state_dict) continues bit-identically."""

@@ -131,8 +131,10 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     assert len(ckpt["tokenizer"]["sha256"]) == 64
 
 
-def test_resume_gives_identical_weights(tmp_path, corpus):
-    keep_steps = ["callbacks.checkpoint.keep_all=true"]
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resume_gives_identical_weights(tmp_path, corpus, optim):
+    """The learning-rate schedule past the resume point is part of it: a frozen LR diverges."""
+    keep_steps = ["callbacks.checkpoint.keep_all=true", f"optim={optim}"]
     _, full = run_train(tmp_path, corpus, *keep_steps, name="full")
     mid = full / "checkpoints" / "step000010.ckpt"
     assert mid.is_file()

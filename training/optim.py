@@ -90,6 +90,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+        # loading replaces the inner group dicts: share the new ones, or the LR schedule of a resumed
+        # run would scale dicts no optimizer reads (its learning rate frozen at the resume step's)
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:
