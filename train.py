@@ -9,6 +9,7 @@ python train.py experiment=extend_context init_from=runs/<run>/checkpoints/last.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 from dataclasses import replace
@@ -192,6 +193,16 @@ def run_summary(metrics: dict[str, float], ckpt_dir: Path, val_check_interval) -
     return "\n".join(lines)
 
 
+def resume_command(task_overrides: list[str], hydra_overrides: list[str], run_dir: Path) -> str:
+    """The command that resumes this run: its own overrides (a bare `run_name=` would drop e.g. its
+    experiment= and train another recipe from the checkpoint) with ckpt_path=last, shell-quoted."""
+    keep = [o for o in task_overrides if not o.lstrip("+~").startswith("ckpt_path=")]
+    keep += [o for o in hydra_overrides if o.startswith("hydra.run.dir=")]
+    if not any(o.startswith(("run_name=", "hydra.run.dir=")) for o in keep):
+        keep.append(f"run_name={run_dir.name}")  # the default run_name is a timestamp: name it
+    return " ".join(["python train.py", *map(shlex.quote, keep), "ckpt_path=last"])
+
+
 def remove_empty_run_dir(run_dir: Path) -> None:
     """A run that failed before training leaves nothing behind (Hydra already wrote .hydra/ and a log);
     a directory that existed before this process is never removed, whatever it holds."""
@@ -208,7 +219,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
     except SIGTERMException:  # the scheduler asked us to stop: SaveLastCheckpoint already wrote last.ckpt
-        print(f"Stopped by SIGTERM; resume with: python train.py run_name={run_dir.name} ckpt_path=last")
+        overrides = HydraConfig.get().overrides
+        print(f"Stopped by SIGTERM; resume with: {resume_command(overrides.task, overrides.hydra, run_dir)}")
         sys.exit(0)
     except BaseException:  # refused or failed before training: leave no run directory behind
         remove_empty_run_dir(run_dir)

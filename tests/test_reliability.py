@@ -111,6 +111,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     assert "Stopped by SIGTERM" in out and "Traceback" not in err
+    assert f"hydra.run.dir={run_dir}" in out and "trainer.max_steps=100000" in out  # its own overrides
     step = safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
     assert 5 <= step < 100000
 

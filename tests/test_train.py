@@ -16,7 +16,7 @@ from inference.cli import build
 from model.config import ModelConfig
 from model.rope import RopeConfig
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_callbacks, build_trainer, run_summary, train
+from train import build_callbacks, build_trainer, resume_command, run_summary, train
 from training.callbacks import TextSample
 from training.loggers import csv_logger, finish_wandb
 from training.module import LitLlama
@@ -129,6 +129,24 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
     assert ckpt["train_max_len"] == 32 and ckpt["model_config"]["rope"]["original_max_len"] == 32
     assert len(ckpt["tokenizer"]["sha256"]) == 64
+
+
+def test_resume_command_repeats_the_runs_own_overrides():
+    """The SIGTERM hint resumes the same run: its recipe and settings, its directory, ckpt_path=last."""
+    run_dir = Path("runs/2026-11-26_03-00-00")
+    task = [
+        "experiment=[recall_base,extend_context]",
+        "++data.recall.flat_share=0.5",
+        "ckpt_path=runs/x/a.ckpt",
+    ]
+    assert resume_command(task, ["hydra.verbose=true"], run_dir) == (
+        "python train.py 'experiment=[recall_base,extend_context]' ++data.recall.flat_share=0.5 "
+        "run_name=2026-11-26_03-00-00 ckpt_path=last"
+    )
+    named = resume_command(["run_name=mine", "seed=3"], [], Path("runs/mine"))
+    assert named == "python train.py run_name=mine seed=3 ckpt_path=last"
+    placed = resume_command(["seed=3"], ["hydra.run.dir=/tmp/my run"], Path("/tmp/my run"))
+    assert placed == "python train.py seed=3 'hydra.run.dir=/tmp/my run' ckpt_path=last"
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
