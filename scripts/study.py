@@ -360,10 +360,10 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
     large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
     evaluate("large_base", large, "[none]")
-    summarise(cfg, out, [*bases, *extended, "large_base"], base_len)
+    summarise(cfg, out, [*bases, *extended, "large_base"], base_len, train_extra)
 
 
-def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> None:
+def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str]) -> None:
     """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
     seed_of = lambda m: int(m.rsplit("_s", 1)[1]) if m.startswith("base_s") else 0  # noqa: E731
     model_of = lambda m: "base" if m.startswith("base_s") else m  # noqa: E731
@@ -378,8 +378,14 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int) -> 
     header = (
         f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{cfg.seeds} base model(s) trained at "
         f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds 0..{cfg.seeds - 1}); `pi`/`yarn` "
-        f"fine-tuned at 4L from seed 0's base; `large_base` (seed 0) trained with rope.base={cfg.large_base:g}. "
-        f"Corpora: {', '.join(cfg.corpora)} (own = the training data's held-out test split). Per-model tables and "
+        f"fine-tuned at 4L from seed 0's base; `large_base` "
+        + (
+            f"reused from {cfg.large_base_ckpt}. "
+            if cfg.large_base_ckpt
+            else f"(seed 0) trained with rope.base={cfg.large_base:g}. "
+        )  # fmt: skip
+        + (f"Every training ran with `{' '.join(train_extra)}`. " if train_extra else "")
+        + f"Corpora: {', '.join(cfg.corpora)} (own = the training data's held-out test split). Per-model tables and "
         "plots: eval/<corpus>/<model>/, retrieval/<model>/.\n\n## Perplexity\n"
     )
     text, paired = [header], []
