@@ -383,7 +383,7 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int, tra
             f"reused from {cfg.large_base_ckpt}. "
             if cfg.large_base_ckpt
             else f"(seed 0) trained with rope.base={cfg.large_base:g}. "
-        )  # fmt: skip
+        )
         + (f"Every training ran with `{' '.join(train_extra)}`. " if train_extra else "")
         + f"Corpora: {', '.join(cfg.corpora)} (own = the training data's held-out test split). Per-model tables and "
         "plots: eval/<corpus>/<model>/, retrieval/<model>/.\n\n## Perplexity\n"
