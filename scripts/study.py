@@ -173,7 +173,7 @@ def orderings(table: list[dict]) -> str:
 RETRIEVAL_METRICS = (("greedy", "greedy_correct"), ("ranking", "rank_correct"))
 # The answer's first-token log-prob minus the best other token's (nats): continuous, so its paired
 # differences can order methods whose greedy accuracies tie. trials.csv files older than it lack it.
-MARGIN = ("margin", "first_margin")
+MARGIN_COLUMN = "first_margin"
 
 
 def seed_means(rows: list[dict], column: str) -> list[float]:
@@ -190,7 +190,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     its range over seeds (when every trial has one); paired differences of each between the base
     model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
     -> (accuracy rows, paired rows, markdown)."""
-    has_margin = all(MARGIN[1] in t for t in trials)
+    has_margin = all(MARGIN_COLUMN in t for t in trials)
     cells = defaultdict(list)
     for t in trials:
         cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
@@ -205,8 +205,8 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
             row |= {f"{name}_acc": correct / len(rows), f"{name}_low": low, f"{name}_high": high,
                     f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
         if has_margin:
-            seed_margin = seed_means(rows, MARGIN[1])
-            row |= {"margin_mean": float(np.mean([r[MARGIN[1]] for r in rows])),
+            seed_margin = seed_means(rows, MARGIN_COLUMN)
+            row |= {"margin_mean": float(np.mean([r[MARGIN_COLUMN] for r in rows])),
                     "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
         accuracy.append(row)
     text, paired = [], []
@@ -214,14 +214,14 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     for t in trials:
         if t["model"].startswith("base"):
             base_trials[t["task"], t["length"]].append(t)
-    metrics = RETRIEVAL_METRICS + ((MARGIN,) if has_margin else ())
+    metrics = RETRIEVAL_METRICS + ((("margin", MARGIN_COLUMN),) if has_margin else ())
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
         for name, column in metrics:
             title = (
                 "first-token margin (nats), mean over prompts [range of the seeds' means]"
-                if name == MARGIN[0]
+                if name == "margin"
                 else f"{name} accuracy, pooled over seeds [Wilson 95%]"
             )
             text += [f"\n### {task}: {title}\n",
@@ -248,7 +248,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
 
 def retrieval_cell(row: dict, name: str) -> str:
     """One table cell: an accuracy with its Wilson interval, or the mean margin with its seed range."""
-    if name == MARGIN[0]:
+    if name == "margin":
         return f"{row['margin_mean']:+.2f} [{row['margin_seed_min']:+.2f}, {row['margin_seed_max']:+.2f}]"
     return f"{row[f'{name}_acc']:.0%} [{row[f'{name}_low']:.0%}, {row[f'{name}_high']:.0%}]"
 
