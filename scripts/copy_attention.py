@@ -7,8 +7,9 @@ The passkey question ends in " is", a token the filler repeats ("The sky is blue
 once ("The pass key is 73912."). A copy head at the question's last token should attend to the position
 after the needle's " is" (the key's first token) rather than to the positions after the filler's. For
 each depth of the needle this prints, over `trials` prompts (scripts/passkey.py's wording, plain
-attention, the checkpoint's own RoPE): the probability of the key's first token and how often it is the
-most likely one, then for the `heads` heads that attend most to the needle, their attention mass on the
+attention, the checkpoint's own RoPE): the probability of the key's first token, the same with the needle
+cut out of the prompt (what the question's wording alone predicts), and how often it is the most likely
+token, then for the `heads` heads that attend most to the needle, their attention mass on the
 needle's answer position and on the other positions after the last token, and the logit gap (needle
 minus the mean of the others). A gap that falls as the needle moves away is a recency preference that
 loses far keys to the repeated filler (docs/data.md, fifteenth round).
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from data.tokenizer import Tokenizer
 from inference.cli import USER_ERRORS, one_sentence_errors
 from inference.loading import load_model
-from inference.retrieval import passkey_prompt
+from inference.retrieval import NEEDLE, RetrievalPrompt, passkey_prompt
 from model.llama import Llama
 
 
@@ -53,6 +55,12 @@ def answer_positions(tokens: list[int], needle_start: int) -> tuple[int, list[in
         raise ValueError("the prompt's last token does not occur in its needle: no copy position to look at.")
     needle = in_needle[0]
     return needle, [p for p in after if p != needle]
+
+
+def without_needle(prompt: RetrievalPrompt, tok: Tokenizer) -> list[int]:
+    """A passkey prompt's tokens with its needle cut out: filler, then the question."""
+    end = prompt.needle_start + len(tok.encode(NEEDLE.format(key=prompt.answer)))
+    return prompt.tokens[: prompt.needle_start] + prompt.tokens[end:]
 
 
 @contextmanager
@@ -82,8 +90,9 @@ def last_query_attention(model: Llama):
 
 
 def measure(cfg: CopyAttentionConfig) -> dict:
-    """Per depth: 'p_answer' (mean probability of the key's first token), 'top' (share of prompts where it
-    is the most likely token), 'needle' and 'others' (L, H) attention masses, 'gap' (L, H) logit gaps."""
+    """Per depth: 'p_answer' (mean probability of the key's first token), 'p_answer_no_needle' (the same
+    with the needle cut out), 'top' (share of prompts where it is the most likely token), 'needle' and
+    'others' (L, H) attention masses, 'gap' (L, H) logit gaps."""
     for name in ("length", "trials", "heads"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,20 +110,24 @@ def measure(cfg: CopyAttentionConfig) -> dict:
                 out = model(torch.tensor([prompt.tokens]))
             probs = out[0, -1].float().softmax(-1)
             answer = prompt.tokens[needle]  # the key's first token, copied from the needle
+            with torch.no_grad():
+                unprompted = model(torch.tensor([without_needle(prompt, tok)]))
             scores = torch.stack([logits[layer][0] for layer in sorted(logits)])  # (L, H, S)
             attention = scores.softmax(-1)
             rows.append(
                 (
                     probs[answer].item(),
+                    unprompted[0, -1].float().softmax(-1)[answer].item(),
                     float(probs.argmax().item() == answer),
                     attention[..., needle],
                     attention[..., others].sum(-1),
                     scores[..., needle] - scores[..., others].mean(-1),
                 )
             )
-        p, top, needle_mass, other_mass, gap = zip(*rows)
+        p, p_alone, top, needle_mass, other_mass, gap = zip(*rows)
         results[depth] = {
             "p_answer": float(np.mean(p)),
+            "p_answer_no_needle": float(np.mean(p_alone)),
             "top": float(np.mean(top)),
             "needle": torch.stack(needle_mass).mean(0),
             "others": torch.stack(other_mass).mean(0),
@@ -131,6 +144,9 @@ def report(results: dict, heads: int) -> str:
     shown = needle_mean.flatten().argsort(descending=True)[:heads].tolist()
     lines = ["depth:                    " + "".join(f"{d:>18}" for d in depths)]
     lines.append("P(key's first token):     " + "".join(f"{results[d]['p_answer']:>18.2f}" for d in depths))
+    lines.append(
+        "... without the needle:   " + "".join(f"{results[d]['p_answer_no_needle']:>18.2f}" for d in depths)
+    )
     lines.append("most likely token:        " + "".join(f"{results[d]['top']:>17.0%} " for d in depths))
     lines.append("layer.head: needle mass / other matches' mass / logit gap")
     for i in sorted(shown):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.retrieval import passkey_prompt
+from inference.retrieval import NEEDLE, QUESTION, passkey_prompt
 from scripts.copy_attention import (
     CopyAttentionConfig,
     answer_positions,
@@ -13,6 +13,7 @@ from scripts.copy_attention import (
     main,
     measure,
     report,
+    without_needle,
 )
 from tests.helpers import save_run, tiny
 
@@ -26,6 +27,9 @@ def test_answer_positions_split_the_needle_from_the_filler(macbeth_tokenizer):
     is_id = prompt.tokens[-1]
     assert all(prompt.tokens[p - 1] == is_id for p in others) and needle not in others
     assert len(others) == prompt.tokens[:-2].count(is_id) - 1  # every earlier " is" but the needle's
+    cut = without_needle(prompt, tok)
+    assert tok.decode(cut).count(str(prompt.answer)) == 0 and tok.decode(cut).endswith(QUESTION)
+    assert len(prompt.tokens) - len(cut) == len(tok.encode(NEEDLE.format(key=prompt.answer)))
     with pytest.raises(ValueError, match="does not occur in its needle"):
         answer_positions([5, 6, 7, 5], needle_start=3)
 
@@ -61,10 +65,10 @@ def test_measure_and_report_on_a_checkpoint(tmp_path, macbeth_tokenizer, capsys)
     results = measure(CopyAttentionConfig(ckpt=str(run), length=256, depths=[0.0, 1.0], trials=2, heads=3))
     for depth in (0.0, 1.0):
         r = results[depth]
-        assert 0 <= r["p_answer"] <= 1 and r["top"] in (0.0, 0.5, 1.0)
+        assert 0 <= r["p_answer"] <= 1 and 0 <= r["p_answer_no_needle"] <= 1 and r["top"] in (0.0, 0.5, 1.0)
         assert r["needle"].shape == (2, 4) and ((r["needle"] + r["others"]) <= 1 + 1e-5).all()
     table = report(results, heads=3)
-    assert table.count("\n  ") == 3 and "P(key's first token)" in table
+    assert table.count("\n  ") == 3 and "P(key's first token)" in table and "without the needle" in table
     with pytest.raises(ValueError, match="trials must be a positive integer, got 0"):
         measure(CopyAttentionConfig(ckpt=str(run), trials=0))
     with pytest.raises(SystemExit):
