@@ -73,7 +73,8 @@ class RandomWindows(IterableDataset):
         return max(1, self.data.n // (self.batch_size * self.max_len))
 
     def batch(self, i: int) -> tuple[torch.Tensor, ...]:
-        """(input, target), each (B, L) int64, plus (B, L) loss weights with data.recall.answer_weight."""
+        """(input, target), each (B, L) int64, plus (B, L) loss weights when the recall windows weigh
+        their targets (data.recall.answer_weight or unstated_share)."""
         rng = np.random.default_rng([self.seed, i])
         starts = rng.integers(0, self.data.n - self.max_len, size=self.batch_size)  # last start n-max_len-1
         x, y = _window_pair(self.data.tokens, starts, self.max_len)

@@ -112,6 +112,17 @@ class RecallConfig:
     # question shares its last tokens with the filler's "The sky is blue.", repeated a dozen times, and the
     # misses of eleven rounds are that filler's " blue" or a newline (docs/data.md, twelfth round).
     decoy_share: float = 0.0
+    # Share of recall windows (at full curriculum; scaled by its progress) in which one asked fact is never
+    # stated: its question still ends the window, and only its answer's first token (the value's leading
+    # space) is trained, its digits weighing 0. A question must then predict a number from its wording
+    # alone; the bases that copy the passkey's first token from the needle lose it to the filler, the one
+    # that predicts it from the question does not (docs/data.md, fifteenth round).
+    unstated_share: float = 0.0
+
+    @property
+    def weighted(self) -> bool:
+        """Whether batches carry per-target loss weights (answer_weight != 1, or unstated facts' digits at 0)."""
+        return self.answer_weight != 1 or self.unstated_share > 0
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> RecallConfig:
@@ -155,6 +166,9 @@ class RecallWindow:
     asked: list[int]  # indices into `facts`, in the order the questions ask them
     answers: list[tuple[int, int]]  # token span [start, end) of each question's answer in `tokens`
     decoys: list[tuple[str, int]]  # (tag, value) of the never-asked decoy statements, one entry per repeat
+    unstated: int | None = (
+        None  # index into `facts` of the asked fact whose statement was left out (unstated_share)
+    )
 
 
 class RecallMixer:
@@ -202,8 +216,9 @@ class RecallMixer:
     def mix(self, batch_index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Training batch `batch_index` as (input, target), each (B, L) int64, with each row replaced by
         a recall window with probability `fraction`, else by a copy window with probability
-        `copy_fraction`; a pure function of (recall seed, batch_index). With `answer_weight` != 1 a third
-        (B, L) float32 tensor follows: each target's loss weight (answer_weight on recall answers, else 1)."""
+        `copy_fraction`; a pure function of (recall seed, batch_index). When `config.weighted` a third (B, L)
+        float32 tensor follows: each target's loss weight (answer_weight on recall answers, 0 on an unstated
+        fact's digits, else 1)."""
         rng = np.random.default_rng([self.config.seed, batch_index])
         windows = torch.cat([x, y[:, -1:]], dim=1).numpy().copy()  # (B, L + 1)
         weights = np.ones(x.shape, dtype=np.float32)  # (B, L), one per target
@@ -212,13 +227,15 @@ class RecallMixer:
         for row in np.flatnonzero(draws < self.config.fraction):
             window = self.window(rng, windows[row], progress)
             windows[row] = window.tokens
-            for start, end in window.answers:  # token t of the window is the target at position t - 1
+            for (start, end), fact in zip(window.answers, window.asked):  # token t is the target at t - 1
                 weights[row, start - 1 : end - 1] = self.config.answer_weight
+                if fact == window.unstated:  # its digits cannot be known: only the leading space is trained
+                    weights[row, start : end - 1] = 0.0
         copy_rows = (draws >= self.config.fraction) & (rng.random(len(windows)) < self.config.copy_fraction)
         for row in np.flatnonzero(copy_rows):
             windows[row] = self.copy_window(rng, windows[row])
         out = torch.from_numpy(windows)
-        if self.config.answer_weight == 1:
+        if not self.config.weighted:
             return out[:, :-1], out[:, 1:]
         return out[:, :-1], out[:, 1:], torch.from_numpy(weights)
 
@@ -272,10 +289,14 @@ class RecallMixer:
         fact_text, query_text = TEMPLATES[rng.integers(len(TEMPLATES))]
         asked = [int(i) for i in rng.choice(n_facts, size=cfg.queries, replace=False)]
         questions = [QUESTIONS[rng.integers(len(QUESTIONS))] for _ in asked]
+        unstated = None  # no draw when off: the windows stay those of a config without the key
+        if cfg.unstated_share > 0 and rng.random() < cfg.unstated_share * progress:
+            unstated = int(rng.choice(asked))
 
         flat = cfg.flat_share > 0 and rng.random() < cfg.flat_share  # no draw when off: same windows
         facts_text = [fact_text.format(tag=t, value=v) for t, v in zip(tags, values)]
         statements = self.tok.encode_batch([FORMS[flat].format(f) for f in facts_text])
+        statements = [st for i, st in enumerate(statements) if i != unstated]
         midline = flat or (cfg.midline_share > 0 and rng.random() < cfg.midline_share)  # no draw when off
         breaks = (" ", ". ") if midline else ("\n", ".\n")  # before the first question, between questions
         tail, answers = [], []  # "<break><question> <query> <answer>" per asked fact
@@ -298,7 +319,7 @@ class RecallMixer:
         boundary = self.ends_sentence if flat else self.ends_line  # facts start a line, or follow a sentence
         fact_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
         candidates = fact_starts if len(fact_starts) else starts
-        at = np.sort(rng.choice(candidates, size=n_facts))  # positions in `hay`, facts in drawn order
+        at = np.sort(rng.choice(candidates, size=len(statements)))  # positions in `hay`, facts in drawn order
         if rng.random() < cfg.far_share * progress:
             early = candidates[candidates <= FAR_SPAN * n_hay]
             at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
@@ -319,6 +340,7 @@ class RecallMixer:
             asked,
             [(offset + a, offset + b) for a, b in answers],
             [decoy] * n_repeats,
+            unstated,
         )
 
     def decoy(

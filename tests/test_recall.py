@@ -279,6 +279,37 @@ def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
         RecallConfig.from_options({"copy_fraction": -0.1})
 
 
+def test_unstated_facts_are_asked_but_never_stated(tok):
+    """unstated_share 1 at full curriculum: one asked fact's statement is left out (its value occurs only as
+    its answer), the other facts are stated as usual; its answer's leading space weighs answer_weight and its
+    digits 0. At the curriculum's start no fact is left out, and 0 draws nothing."""
+    options = {"fraction": 1.0, "min_pairs": 2, "max_pairs": 4, "queries": 2, "answer_weight": 5.0}
+    mixer = RecallMixer(tok, RecallConfig.from_options({**options, "unstated_share": 1.0}), 513)
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        w = mixer.window(rng, haystack(tok, 513), progress=1.0)
+        text = tok.decode(w.tokens.tolist())
+        assert w.unstated in w.asked
+        for i, (tag, value) in enumerate(w.facts):  # a value occurs in its statement and in its answer
+            assert (text.count(str(value)) == w.asked.count(i)) == (i == w.unstated)
+    assert all(mixer.window(rng, haystack(tok, 513), progress=0.0).unstated is None for _ in range(20))
+    off = [w.tokens for w in windows(tok, seed=8, length=513, **options, unstated_share=0.0)]
+    assert all(np.array_equal(a, b.tokens) for a, b in zip(off, windows(tok, seed=8, length=513, **options)))
+
+    x = torch.arange(4 * 512).view(4, 512) % (tok.vocab_size - 2) + 2
+    inputs, targets, weights = mixer.mix(5, x, x + 1)
+    for row in range(4):
+        text = tok.decode(torch.cat([inputs[row], targets[row, -1:]]).tolist())
+        answers = re.findall(r" is( \d{5})(?=$|\.\n|\. )", text)[-2:]
+        trained = targets[row][weights[row] == 5.0].tolist()
+        assert (weights[row] == 0).sum() == 5 and (
+            weights[row] == 5.0
+        ).sum() == 7  # one answer's 5 digits off
+        assert tok.decode(trained) in {" " + answers[1], answers[0] + " "}  # the unstated one: its space only
+    with pytest.raises(DataError, match=r"data.recall.unstated_share must lie in \[0, 1\], got 2"):
+        RecallConfig.from_options({"unstated_share": 2})
+
+
 def test_answer_weight_marks_exactly_the_answer_targets(tok):
     """answer_weight w: a third (B, L) tensor weighs each recall answer's targets (the value " 73912", space
     first) by w and every other target by 1; the tokens are those of the unweighted mixer's batch."""

@@ -64,7 +64,7 @@ class LitLlama(L.LightningModule):
         return self.model(idx, position_ids=position_ids, kv_cache=kv_cache)
 
     def _loss(self, batch) -> torch.Tensor:
-        # (B, L) each, targets shifted by one; a third (B, L) tensor weighs each target (data.recall.answer_weight)
+        # (B, L) each, targets shifted by one; a third (B, L) tensor weighs each target (data.recall)
         inputs, targets, *weights = batch
         target_weights = weights[0] if weights else None
         return self.model(inputs, targets=targets, target_weights=target_weights)  # fused by kernels/loss.py
