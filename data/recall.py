@@ -66,6 +66,14 @@ TEMPLATES = (
     ("The number of the {tag} is {value}.", "The number of the {tag} is"),
     ("The {tag} is {value}. Say it once more: {value} is the {tag}.", "The {tag} is"),
 )
+# Words of the retrieval suite's prompts and its multi-key names (inference/retrieval.py; a test checks the
+# set covers them): never drawn as tag words (`word_tag_share`), so no window states "The pass key is ...".
+EVAL_WORDS = frozenset(
+    "a about again an and back blue find go grass green here hidden i important info information inside "
+    "irrelevant is it key lot memorize of pass quiz remember sky sun text the there value var we what will "
+    "yellow you fox owl bear wolf hare crow deer lynx seal swan mole toad frog goat lark wren".split()
+)
+TAG_WORD = re.compile(r" [a-z]{3,12}")  # a vocabulary entry that is one whole lowercase word after a space
 QUESTIONS = ("What is the {tag}?", "Which number goes with the {tag}?", "Tell me the {tag}.", "")
 FORMS = ("{}\n", " {}")  # a fact as its own line, or as a sentence inside a flat haystack (flat_share)
 VALUE_RANGE = (10_000, 100_000)  # 5-digit values, like the passkey's keys
@@ -118,6 +126,11 @@ class RecallConfig:
     # alone; the bases that copy the passkey's first token from the needle lose it to the filler, the one
     # that predicts it from the question does not (docs/data.md, fifteenth round).
     unstated_share: float = 0.0
+    # Share of recall windows whose tags are two random one-token words of the tokenizer's vocabulary ("The
+    # dagger honest is 48213.") instead of an adjective and a noun from the lists above: the bases answer a
+    # question about a listed tag with a number, with or without the fact, but not one about "the pass key"
+    # (docs/data.md, fifteenth round). 0 draws nothing.
+    word_tag_share: float = 0.0
 
     @property
     def weighted(self) -> bool:
@@ -181,6 +194,12 @@ class RecallMixer:
         texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
         self.ends_line = np.array([t.endswith("\n") for t in texts])
         self.ends_sentence = np.array([t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts])
+        self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - EVAL_WORDS)
+        if config.word_tag_share > 0 and len(self.tag_words) < 2 * config.max_pairs:
+            raise DataError(
+                f"data.recall.word_tag_share needs at least {2 * config.max_pairs} one-token words in the "
+                f"tokenizer's vocabulary, which has {len(self.tag_words)}."
+            )
         if (need := self.longest_synthetic()) >= window_len:
             raise DataError(
                 f"recall windows of up to {config.max_pairs} facts and {config.queries} question(s) need up "
@@ -191,6 +210,8 @@ class RecallMixer:
     def longest_synthetic(self) -> int:
         """Most tokens the facts and questions of one window can take (all tags, wordings; value 99999)."""
         tags = [f"{a} {n}" for a in ADJECTIVES for n in NOUNS]
+        if self.config.word_tag_share > 0:
+            tags += [f"{w} {w}" for w in self.tag_words]
         value = VALUE_RANGE[1] - 1
         facts = [
             form.format(fact.format(tag=t, value=value))
@@ -272,18 +293,29 @@ class RecallMixer:
         tokens = self.tok.encode(text)
         return np.asarray(tokens[:n] if len(tokens) >= n else haystack[:n], dtype=np.int64)
 
+    def word_tags(self, rng: np.random.Generator, n: int, shared_second: bool) -> list[str]:
+        """`n` tags of two vocabulary words each, their first words distinct; with `shared_second` all end
+        in the same word, as shared-noun tags do."""
+        words = self.tag_words
+        firsts = rng.choice(len(words), size=n, replace=False)
+        seconds = np.full(n, rng.integers(len(words))) if shared_second else rng.integers(len(words), size=n)
+        return [f"{words[a]} {words[b]}" for a, b in zip(firsts, seconds)]
+
     def window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float = 1.0) -> RecallWindow:
         """One recall window as long as `haystack` (n,), built from its leading tokens."""
         cfg, n_total = self.config, len(haystack)
         most = cfg.min_pairs + round(progress * (cfg.max_pairs - cfg.min_pairs))
         n_facts = int(rng.integers(cfg.min_pairs, most + 1))
         shared_noun = cfg.shared_noun_share > 0 and rng.random() < cfg.shared_noun_share  # off: no draw
-        if shared_noun:
-            adjectives = rng.choice(len(ADJECTIVES), size=n_facts, replace=False)
-            picks = adjectives * len(NOUNS) + rng.integers(len(NOUNS))
+        if cfg.word_tag_share > 0 and rng.random() < cfg.word_tag_share:  # no draw when off
+            tags = self.word_tags(rng, n_facts, shared_noun)
         else:
-            picks = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n_facts, replace=False)
-        tags = [f"{ADJECTIVES[p // len(NOUNS)]} {NOUNS[p % len(NOUNS)]}" for p in picks]
+            if shared_noun:
+                adjectives = rng.choice(len(ADJECTIVES), size=n_facts, replace=False)
+                picks = adjectives * len(NOUNS) + rng.integers(len(NOUNS))
+            else:
+                picks = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n_facts, replace=False)
+            tags = [f"{ADJECTIVES[p // len(NOUNS)]} {NOUNS[p % len(NOUNS)]}" for p in picks]
         low, high = VALUE_RANGE
         values = [low + int(v) for v in rng.choice(high - low, size=n_facts, replace=False)]
         fact_text, query_text = TEMPLATES[rng.integers(len(TEMPLATES))]

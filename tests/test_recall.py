@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data import DataError, TextDataModule
-from data.recall import ADJECTIVES, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
+from data.recall import ADJECTIVES, EVAL_WORDS, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
 from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
@@ -16,7 +16,7 @@ from tests.test_retrieval import macbeth_bpe
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
 EVAL_TEXTS = (INTRO, FILLER, NEEDLE, QUESTION, *retrieval.WORDING)
-EVAL_WORDS = {"pass", "key", "grass", "sky", "sun", "green", "blue", "yellow", "important", "irrelevant",
+SUITE_WORDS = {"pass", "key", "grass", "sky", "sun", "green", "blue", "yellow", "important", "irrelevant",
               "memorize", "quiz", "remember", "var", "value", "special"}  # fmt: skip
 
 
@@ -46,7 +46,7 @@ def windows(tok, seed: int, count: int = 30, length: int = 257, **options) -> li
 def test_no_evaluation_wording_can_be_generated(tok):
     texts = [re.sub(r"\{\w+\}", "", s) for t in (*TEMPLATES, QUESTIONS) for s in t]  # without {placeholders}
     words = {w.lower() for text in texts for w in re.findall(r"[A-Za-z]+", text)}
-    assert not (words | set(ADJECTIVES) | set(NOUNS)) & EVAL_WORDS
+    assert not (words | set(ADJECTIVES) | set(NOUNS)) & SUITE_WORDS
     fragments = eval_fragments()
     assert "The grass is green." in fragments and "What is the pass key?" in fragments
     for w in windows(tok, seed=0, count=200, length=513, max_pairs=6, queries=2, min_pairs=2):
@@ -290,7 +290,7 @@ def test_unstated_facts_are_asked_but_never_stated(tok):
         w = mixer.window(rng, haystack(tok, 513), progress=1.0)
         text = tok.decode(w.tokens.tolist())
         assert w.unstated in w.asked
-        for i, (tag, value) in enumerate(w.facts):  # a value occurs in its statement and in its answer
+        for i, (_, value) in enumerate(w.facts):  # a value occurs in its statement and in its answer
             assert (text.count(str(value)) == w.asked.count(i)) == (i == w.unstated)
     assert all(mixer.window(rng, haystack(tok, 513), progress=0.0).unstated is None for _ in range(20))
     off = [w.tokens for w in windows(tok, seed=8, length=513, **options, unstated_share=0.0)]
@@ -308,6 +308,27 @@ def test_unstated_facts_are_asked_but_never_stated(tok):
         assert tok.decode(trained) in {" " + answers[1], answers[0] + " "}  # the unstated one: its space only
     with pytest.raises(DataError, match=r"data.recall.unstated_share must lie in \[0, 1\], got 2"):
         RecallConfig.from_options({"unstated_share": 2})
+
+
+def test_word_tags_are_two_vocabulary_words_never_the_evaluation_words(tok):
+    """word_tag_share 1: every tag is two one-token words of the vocabulary (none of the retrieval suite's
+    words), stated and asked as usual; with shared nouns they share the second word. 0 draws nothing."""
+    fragments = [re.sub(r"\{\w+\}", "", t) for t in EVAL_TEXTS]
+    suite_words = {w.lower() for t in fragments for w in re.findall(r"[A-Za-z]+", t)} | set(retrieval.NAMES)
+    assert suite_words <= EVAL_WORDS  # the code's exclusion list covers the suite's wording
+    options = {"min_pairs": 2, "max_pairs": 4, "queries": 2}
+    for shared in (0.0, 1.0):
+        ws = windows(tok, seed=4, length=513, **options, word_tag_share=1.0, shared_noun_share=shared)
+        for w in ws:
+            text = tok.decode(w.tokens.tolist())
+            for tag, value in w.facts:
+                first, second = tag.split()
+                assert len(tok.encode(f" {first}")) == len(tok.encode(f" {second}")) == 1
+                assert not {first, second} & EVAL_WORDS and f"{tag} is {value}" in text
+            assert len({t.split()[1] for t, _ in w.facts}) == (1 if shared else len({t for t, _ in w.facts}))
+            assert not [f for f in eval_fragments() if f in text]
+    off = [w.tokens for w in windows(tok, seed=8, length=513, **options, word_tag_share=0.0)]
+    assert all(np.array_equal(a, b.tokens) for a, b in zip(off, windows(tok, seed=8, length=513, **options)))
 
 
 def test_answer_weight_marks_exactly_the_answer_targets(tok):
