@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from data.tokenizer import Tokenizer
 from inference.cli import USER_ERRORS, one_sentence_errors
 from inference.loading import load_model
-from inference.retrieval import NEEDLE, RetrievalPrompt, passkey_prompt
+from inference.retrieval import NEEDLE, QUESTION, RetrievalPrompt, passkey_prompt
 from model.llama import Llama
 
 
@@ -42,6 +42,8 @@ class CopyAttentionConfig:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     trials: int = 4  # prompts per depth, each with its own key
     heads: int = 4  # heads shown: those with the most attention on the needle, over all depths
+    question: str = QUESTION  # asked at the end; another one (" What is the black ring? The black ring is")
+    # shows what its wording alone predicts, in the line "without the needle"
     seed: int = 0
 
 
@@ -55,6 +57,16 @@ def answer_positions(tokens: list[int], needle_start: int) -> tuple[int, list[in
         raise ValueError("the prompt's last token does not occur in its needle: no copy position to look at.")
     needle = in_needle[0]
     return needle, [p for p in after if p != needle]
+
+
+def asking(prompt: RetrievalPrompt, tok: Tokenizer, question: str) -> RetrievalPrompt:
+    """The passkey prompt with `question` in place of its own (the same prompt when it is the passkey's)."""
+    if not question.strip():
+        raise ValueError(
+            f"question must be a non-empty text ending where the answer starts, got {question!r}."
+        )
+    tokens = prompt.tokens[: len(prompt.tokens) - len(tok.encode(QUESTION))] + tok.encode(question)
+    return replace(prompt, tokens=tokens)
 
 
 def without_needle(prompt: RetrievalPrompt, tok: Tokenizer) -> list[int]:
@@ -104,7 +116,7 @@ def measure(cfg: CopyAttentionConfig) -> dict:
     for depth in cfg.depths:
         rows = []
         for _ in range(cfg.trials):
-            prompt = passkey_prompt(tok, cfg.length, depth, rng)
+            prompt = asking(passkey_prompt(tok, cfg.length, depth, rng), tok, cfg.question)
             needle, others = answer_positions(prompt.tokens, prompt.needle_start)
             with torch.no_grad(), last_query_attention(model) as logits:
                 out = model(torch.tensor([prompt.tokens]))

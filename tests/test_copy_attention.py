@@ -9,6 +9,7 @@ from inference.retrieval import NEEDLE, QUESTION, passkey_prompt
 from scripts.copy_attention import (
     CopyAttentionConfig,
     answer_positions,
+    asking,
     last_query_attention,
     main,
     measure,
@@ -27,6 +28,15 @@ def test_answer_positions_split_the_needle_from_the_filler(macbeth_tokenizer):
     is_id = prompt.tokens[-1]
     assert all(prompt.tokens[p - 1] == is_id for p in others) and needle not in others
     assert len(others) == prompt.tokens[:-2].count(is_id) - 1  # every earlier " is" but the needle's
+    assert asking(prompt, tok, QUESTION) == prompt
+    other = asking(prompt, tok, " What is the black ring? The black ring is")
+    n_question = len(tok.encode(QUESTION))
+    assert other.tokens[:-n_question] == prompt.tokens[:-n_question] != other.tokens
+    assert (
+        tok.decode(other.tokens).endswith("? The black ring is") and other.needle_start == prompt.needle_start
+    )
+    with pytest.raises(ValueError, match="question must be a non-empty text"):
+        asking(prompt, tok, " ")
     cut = without_needle(prompt, tok)
     assert tok.decode(cut).count(str(prompt.answer)) == 0 and tok.decode(cut).endswith(QUESTION)
     assert len(prompt.tokens) - len(cut) == len(tok.encode(NEEDLE.format(key=prompt.answer)))
