@@ -30,6 +30,9 @@ Design, and why:
 - Decoys (`decoy_share`): a share of windows also state one never-asked fact several times, its tag sharing the
   noun of an asked fact ("old bell" beside "iron bell"), so a question's last tokens match a repeated wrong value
   more often than the right one, as the passkey's filler repeats " sk"+"y is blue" a dozen times.
+- Unstated facts (`unstated_share`): one asked fact is never stated, and only its answer's leading space is
+  trained, so the question alone must predict a number. Word tags (`word_tag_share`): tags of two random
+  vocabulary words (never the suite's words, `EVAL_WORDS`), so that prediction is not tied to the word lists.
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
 
@@ -122,9 +125,8 @@ class RecallConfig:
     decoy_share: float = 0.0
     # Share of recall windows (at full curriculum; scaled by its progress) in which one asked fact is never
     # stated: its question still ends the window, and only its answer's first token (the value's leading
-    # space) is trained, its digits weighing 0. A question must then predict a number from its wording
-    # alone; the bases that copy the passkey's first token from the needle lose it to the filler, the one
-    # that predicts it from the question does not (docs/data.md, fifteenth round).
+    # space) is trained, its digits weighing 0, so a question must predict a number from its wording alone,
+    # as the one base that answers the passkey from the question does (docs/data.md, fifteenth round).
     unstated_share: float = 0.0
     # Share of recall windows whose tags are two random one-token words of the tokenizer's vocabulary ("The
     # dagger honest is 48213.") instead of an adjective and a noun from the lists above: the bases answer a
@@ -179,9 +181,7 @@ class RecallWindow:
     asked: list[int]  # indices into `facts`, in the order the questions ask them
     answers: list[tuple[int, int]]  # token span [start, end) of each question's answer in `tokens`
     decoys: list[tuple[str, int]]  # (tag, value) of the never-asked decoy statements, one entry per repeat
-    unstated: int | None = (
-        None  # index into `facts` of the asked fact whose statement was left out (unstated_share)
-    )
+    unstated: int | None = None  # index into `facts` of the asked fact never stated (unstated_share)
 
 
 class RecallMixer:
