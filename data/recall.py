@@ -33,6 +33,9 @@ Design, and why:
 - Unstated facts (`unstated_share`): one asked fact is never stated, and only its answer's leading space is
   trained, so the question alone must predict a number. Word tags (`word_tag_share`): tags of two random
   vocabulary words (never the suite's words, `EVAL_WORDS`), so that prediction is not tied to the word lists.
+- Filler (`filler_share`): a block of never-asked "The <word> is <word>." statements repeated through the
+  haystack, the first about the asked tag's last word, so the nearest match for a question's " is" is followed
+  by a word, never the number, as in the passkey's filler.
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
 
@@ -84,8 +87,9 @@ START_FRACTION = 0.75  # at the start of the curriculum, facts go into the windo
 # The haystack's first FAR_SPAN is where `far_share` of the windows put their first fact: the
 # passkey at depth 0 sits a whole window back, a distance uniform placement seldom trains.
 FAR_SPAN = 0.1
-# Times a decoy fact is stated (uniform, inclusive); the passkey's filler repeats its sentences ~12 times.
+# Times a decoy fact or filler block is stated (uniform, inclusive); the passkey's filler repeats ~12 times.
 DECOY_REPEATS = (2, 8)
+FILLER_STATEMENTS = (1, 3)  # statements per filler block (uniform, inclusive); the passkey's has three
 DECOY_TEMPLATE = TEMPLATES[0][0]  # the shortest fact wording, so repeats fit beside the facts
 MIN_HAYSTACK = 0.25  # decoys are dropped rather than shrink the haystack below this share of the window
 
@@ -133,6 +137,13 @@ class RecallConfig:
     # question about a listed tag with a number, with or without the fact, but not one about "the pass key"
     # (docs/data.md, fifteenth round). 0 draws nothing.
     word_tag_share: float = 0.0
+    # Share of recall windows (at full curriculum; scaled by its progress) holding a filler block: one to three
+    # never-asked statements "The <word> is <word>." with word values, the first about the asked fact's last
+    # tag word ("The bell is narrow." beside "The iron bell is 73912."), the block repeated 2-8 times. The
+    # passkey's filler "The sky is blue." matches its question "The pass key is" on " y is" and repeats a dozen
+    # times; a word value after a matching " is" is never the answer, so only the tag's earlier tokens or a
+    # number prior tell the needle apart (docs/data.md, sixteenth round). 0 draws nothing.
+    filler_share: float = 0.0
 
     @property
     def weighted(self) -> bool:
@@ -182,6 +193,8 @@ class RecallWindow:
     answers: list[tuple[int, int]]  # token span [start, end) of each question's answer in `tokens`
     decoys: list[tuple[str, int]]  # (tag, value) of the never-asked decoy statements, one entry per repeat
     unstated: int | None = None  # index into `facts` of the asked fact never stated (unstated_share)
+    filler: tuple[tuple[str, str], ...] = ()  # (subject, word value) of the filler block's statements
+    filler_repeats: int = 0  # times the filler block is stated
 
 
 class RecallMixer:
@@ -195,10 +208,11 @@ class RecallMixer:
         self.ends_line = np.array([t.endswith("\n") for t in texts])
         self.ends_sentence = np.array([t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts])
         self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - EVAL_WORDS)
-        if config.word_tag_share > 0 and len(self.tag_words) < 2 * config.max_pairs:
+        words_needed = config.word_tag_share > 0 or config.filler_share > 0
+        if words_needed and len(self.tag_words) < 2 * config.max_pairs:
             raise DataError(
-                f"data.recall.word_tag_share needs at least {2 * config.max_pairs} one-token words in the "
-                f"tokenizer's vocabulary, which has {len(self.tag_words)}."
+                f"data.recall.word_tag_share and filler_share need at least {2 * config.max_pairs} one-token "
+                f"words in the tokenizer's vocabulary, which has {len(self.tag_words)}."
             )
         if (need := self.longest_synthetic()) >= window_len:
             raise DataError(
@@ -339,7 +353,10 @@ class RecallMixer:
             tail += answer
         free = n_total - int(MIN_HAYSTACK * n_total) - sum(map(len, statements)) - len(tail)
         decoy, decoy_tokens, n_repeats = self.decoy(rng, tags, values, asked[0], flat, progress, free)
-        n_hay = n_total - sum(map(len, statements)) - n_repeats * len(decoy_tokens) - len(tail)
+        free -= n_repeats * len(decoy_tokens)
+        filler, filler_tokens, filler_repeats = self.filler(rng, tags[asked[0]], flat, progress, free)
+        n_hay = n_total - sum(map(len, statements)) - len(tail)
+        n_hay -= n_repeats * len(decoy_tokens) + filler_repeats * len(filler_tokens)
         if n_hay < 1:  # only for a haystack shorter than the window_len checked in __init__
             raise DataError(
                 f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
@@ -358,6 +375,8 @@ class RecallMixer:
         inserts = list(zip(at.tolist(), statements))
         if n_repeats:  # at line starts (sentence ends) anywhere, as the filler repeats throughout its prompt
             inserts += [(int(p), decoy_tokens) for p in rng.choice(candidates, size=n_repeats)]
+        if filler_repeats:  # likewise
+            inserts += [(int(p), filler_tokens) for p in rng.choice(candidates, size=filler_repeats)]
         inserts.sort(key=lambda item: item[0])  # stable: facts stay in drawn order
         pieces, prev = [], 0
         for pos, statement in inserts:
@@ -373,6 +392,8 @@ class RecallMixer:
             [(offset + a, offset + b) for a, b in answers],
             [decoy] * n_repeats,
             unstated,
+            filler,
+            filler_repeats,
         )
 
     def decoy(
@@ -400,3 +421,21 @@ class RecallMixer:
         statement = self.tok.encode(FORMS[flat].format(DECOY_TEMPLATE.format(tag=tag, value=value)))
         repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
         return (tag, value), statement, min(repeats, max(0, free // len(statement)))
+
+    def filler(
+        self, rng: np.random.Generator, asked_tag: str, flat: bool, progress: float, free: int
+    ) -> tuple[tuple[tuple[str, str], ...], list[int], int]:
+        """With probability filler_share * progress (no draw when off): ((subject, value) per statement, the
+        block's tokens, repeats), the repeats capped to what `free` tokens hold; else ((), [], 0). The first
+        subject is `asked_tag`'s last word, the others and every value one-token vocabulary words (`tag_words`)."""
+        share = self.config.filler_share
+        if share == 0 or rng.random() >= share * progress:
+            return (), [], 0
+        words = self.tag_words
+        n = int(rng.integers(FILLER_STATEMENTS[0], FILLER_STATEMENTS[1] + 1))
+        picks = rng.choice(len(words), size=2 * n - 1, replace=False)
+        subjects = [asked_tag.split()[-1]] + [words[i] for i in picks[n:]]
+        block = tuple((subject, words[i]) for subject, i in zip(subjects, picks[:n]))
+        statement = self.tok.encode(FORMS[flat].format(" ".join(f"The {s} is {v}." for s, v in block)))
+        repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
+        return block, statement, min(repeats, max(0, free // len(statement)))

@@ -331,6 +331,34 @@ def test_word_tags_are_two_vocabulary_words_never_the_evaluation_words(tok):
     assert all(np.array_equal(a, b.tokens) for a, b in zip(off, windows(tok, seed=8, length=513, **options)))
 
 
+def test_filler_repeats_word_valued_statements_about_the_asked_tags_last_word(tok):
+    """filler_share 1 at full curriculum: a block of 1-3 "The <word> is <word>." statements, the first about the
+    first asked fact's last tag word, values one-token vocabulary words (never the suite's), stated 2-8 times
+    (as room allows), each block whole on its own line; the answers still copy the asked facts. At the
+    curriculum's start and with filler_share 0 (the default) no window has one, and 0 draws nothing."""
+    options = {"fraction": 1.0, "min_pairs": 2, "max_pairs": 4, "queries": 2}
+    mixer = RecallMixer(tok, RecallConfig.from_options({**options, "filler_share": 1.0}), 513)
+    rng, counts = np.random.default_rng(3), []
+    for _ in range(60):
+        w = mixer.window(rng, haystack(tok, 513), progress=1.0)
+        text = tok.decode(w.tokens.tolist())
+        counts.append(w.filler_repeats)
+        if not w.filler_repeats:
+            continue
+        assert 1 <= len(w.filler) <= 3 and w.filler[0][0] == w.facts[w.asked[0]][0].split()[-1]
+        for subject, value in w.filler:
+            assert len(tok.encode(f" {value}")) == 1 and value not in EVAL_WORDS and subject not in EVAL_WORDS
+        block = " ".join(f"The {s} is {v}." for s, v in w.filler) + "\n"
+        assert text.count(block) == w.filler_repeats
+        assert not [f for f in eval_fragments() if f in text]
+        for (a, b), i in zip(w.answers, w.asked):
+            assert tok.decode(w.tokens[a:b].tolist()) == f" {w.facts[i][1]}"
+    assert max(counts) <= 8 and np.mean([c >= 2 for c in counts]) > 0.8
+    assert not any(mixer.window(rng, haystack(tok, 513), progress=0.0).filler_repeats for _ in range(20))
+    off = [w.tokens for w in windows(tok, seed=8, length=513, **options, filler_share=0.0)]
+    assert all(np.array_equal(a, b.tokens) for a, b in zip(off, windows(tok, seed=8, length=513, **options)))
+
+
 def test_answer_weight_marks_exactly_the_answer_targets(tok):
     """answer_weight w: a third (B, L) tensor weighs each recall answer's targets (the value " 73912", space
     first) by w and every other target by 1; the tokens are those of the unweighted mixer's batch."""
