@@ -345,7 +345,7 @@ def test_filler_repeats_word_valued_statements_about_the_asked_tags_last_word(to
         counts.append(w.filler_repeats)
         if not w.filler_repeats:
             continue
-        assert 1 <= len(w.filler) <= 3 and w.filler[0][0] == w.facts[w.asked[0]][0].split()[-1]
+        assert len(w.filler) in (1, 2, 3) and w.filler[0][0] == w.facts[w.asked[0]][0].split()[-1]
         for subject, value in w.filler:
             assert len(tok.encode(f" {value}")) == 1 and value not in EVAL_WORDS and subject not in EVAL_WORDS
         block = " ".join(f"The {s} is {v}." for s, v in w.filler) + "\n"
