@@ -94,6 +94,13 @@ DECOY_TEMPLATE = TEMPLATES[0][0]  # the shortest fact wording, so repeats fit be
 MIN_HAYSTACK = 0.25  # decoys are dropped rather than shrink the haystack below this share of the window
 
 
+def capped_repeats(rng: np.random.Generator, length: int, free: int) -> int:
+    """Times to state a `length`-token decoy or filler block: uniform in DECOY_REPEATS, capped to what `free`
+    tokens hold."""
+    repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
+    return min(repeats, max(0, free // length))
+
+
 @dataclass(frozen=True)
 class RecallConfig:
     """The `data.recall` options (docs/data.md). fraction 0 turns recall windows off."""
@@ -419,8 +426,7 @@ class RecallMixer:
         while value in values:
             value = int(rng.integers(*VALUE_RANGE))
         statement = self.tok.encode(FORMS[flat].format(DECOY_TEMPLATE.format(tag=tag, value=value)))
-        repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
-        return (tag, value), statement, min(repeats, max(0, free // len(statement)))
+        return (tag, value), statement, capped_repeats(rng, len(statement), free)
 
     def filler(
         self, rng: np.random.Generator, asked_tag: str, flat: bool, progress: float, free: int
@@ -437,5 +443,4 @@ class RecallMixer:
         subjects = [asked_tag.split()[-1]] + [words[i] for i in picks[n:]]
         block = tuple((subject, words[i]) for subject, i in zip(subjects, picks[:n]))
         statement = self.tok.encode(FORMS[flat].format(" ".join(f"The {s} is {v}." for s, v in block)))
-        repeats = int(rng.integers(DECOY_REPEATS[0], DECOY_REPEATS[1] + 1))
-        return block, statement, min(repeats, max(0, free // len(statement)))
+        return block, statement, capped_repeats(rng, len(statement), free)
