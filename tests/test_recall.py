@@ -13,6 +13,7 @@ from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
+from training.optim import OptimConfig
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
 EVAL_TEXTS = (INTRO, FILLER, NEEDLE, QUESTION, *retrieval.WORDING)
@@ -239,6 +240,9 @@ def test_experiment_composes(tmp_path):
     assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
     assert cfg.model.mix_previous_tokens and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
     assert cfg.data.recall.answer_weight > 1  # the answers weigh more in the loss (docs/data.md, tenth round)
+    recall = RecallConfig.from_options(dict(cfg.data.recall))
+    assert recall.word_tag_share > 0 and recall.unstated_share > 0  # eighteenth round
+    assert cfg.optim.min_lr_ratio > OptimConfig().min_lr_ratio  # the recipe's own floor
     assert "NOT YET MET" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
 
 
