@@ -237,10 +237,10 @@ def test_mixing_touches_only_training_windows(tmp_path):
 def test_experiment_composes(tmp_path):
     cfg = compose_train(["experiment=recall_base"], tmp_path / "run")
     assert cfg.data.recall.fraction > 0
-    assert RecallConfig.from_options(dict(cfg.data.recall)).queries == cfg.data.recall.queries
+    recall = RecallConfig.from_options(dict(cfg.data.recall))
+    assert recall.queries == cfg.data.recall.queries
     assert cfg.model.mix_previous_tokens and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
     assert cfg.data.recall.answer_weight > 1  # the answers weigh more in the loss (docs/data.md, tenth round)
-    recall = RecallConfig.from_options(dict(cfg.data.recall))
     assert recall.word_tag_share > 0 and recall.unstated_share > 0  # eighteenth round
     assert cfg.optim.min_lr_ratio > OptimConfig().min_lr_ratio  # the recipe's own floor
     assert "NOT YET MET" in (CONFIGS / "experiment" / "recall_base.yaml").read_text()  # states its status
