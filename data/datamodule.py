@@ -119,18 +119,24 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         tokenizer_path: str | None = None,
         val_max_batches: int | None = None,
+        val_batch_size: int | None = None,
         token_dtype: str | None = None,
         recall: Mapping | None = None,
     ):
         super().__init__()
         self.source = _plain(source)
         self.recall = RecallConfig.from_options(recall)  # data.recall; None = no recall windows
-        for name, value in [("max_len", max_len), ("batch_size", batch_size), ("vocab_size", vocab_size)]:
+        sizes = [("max_len", max_len), ("batch_size", batch_size), ("vocab_size", vocab_size)]
+        if val_batch_size is not None:
+            sizes.append(("val_batch_size", val_batch_size))
+        for name, value in sizes:
             if not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}.")
         self.save_hyperparameters()
         self.max_len, self.batch_size, self.num_workers, self.seed = max_len, batch_size, num_workers, seed
         self.val_max_batches = val_max_batches
+        # Held-out windows per batch; fixed in a data config so changing batch_size keeps the same val set.
+        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
         self.cache: TokenCache | None = None
         self.train_set: RandomWindows | None = None
         self._resume_batches = 0  # from load_state_dict before setup
@@ -198,9 +204,11 @@ class TextDataModule(L.LightningDataModule):
         return self._eval_loader("test")
 
     def _eval_loader(self, split: str) -> DataLoader:
-        cap = None if self.val_max_batches is None else self.val_max_batches * self.batch_size
+        cap = None if self.val_max_batches is None else self.val_max_batches * self.val_batch_size
         windows = ContiguousWindows(_TokenFile(self._prepare(), split), self.max_len, cap)
-        return DataLoader(windows, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(
+            windows, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers
+        )
 
     # -- resumability --------------------------------------------------------------------------------------
     def on_before_batch_transfer(self, batch, dataloader_idx: int):

@@ -262,11 +262,21 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, corpus, monkeypatch):
 
 
 def test_logger_none_trains_and_checkpoints(tmp_path, corpus, capsys):
-    _, run_dir = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=4", name="nolog")
+    _, run_dir = run_train(
+        tmp_path, corpus, "logger=none", "trainer.max_steps=4", "trainer.limit_val_batches=0", name="nolog"
+    )
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]  # no last-v1.ckpt copy
     assert not (run_dir / "metrics.csv").exists()
-    out = capsys.readouterr().out  # 4 steps < val_check_interval=10: no validation, no best.ckpt
+    out = capsys.readouterr().out  # validation off: no score, no best.ckpt
     assert "(last.ckpt)" in out and "Final validation: none ran" in out and "best.ckpt" not in out
+
+
+def test_the_last_step_is_validated_when_max_steps_is_not_a_multiple_of_the_interval(tmp_path, corpus):
+    metrics, run_dir = run_train(tmp_path, corpus, "trainer.max_steps=14", name="tail")  # interval 10
+    with open(run_dir / "metrics.csv") as f:
+        validated = [int(r["step"]) + 1 for r in csv.DictReader(f) if r.get("val/loss")]
+    assert validated == [10, 14]  # Lightning logs the 0-based index of the last finished step
+    assert "val/bpc" in metrics and (run_dir / "checkpoints" / "best.ckpt").exists()
 
 
 def test_new_run_refuses_a_run_directory_with_checkpoints(tmp_path, corpus):

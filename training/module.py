@@ -102,6 +102,12 @@ class LitLlama(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # Lightning validates only every val_check_interval steps; asking it to stop at the last step
+        # makes it validate the final weights too (Final validation, best.ckpt) whatever max_steps is.
+        if 0 < self.trainer.max_steps <= self.global_step:
+            self.trainer.should_stop = True
+
     def on_train_start(self) -> None:
         self._fit_start = time.perf_counter()
 
