@@ -282,7 +282,9 @@ def test_the_last_step_is_validated_when_max_steps_is_not_a_multiple_of_the_inte
 def test_new_run_refuses_a_run_directory_with_checkpoints(tmp_path, corpus):
     _, run_dir = run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=2", name="taken")
     before = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
-    with pytest.raises(CheckpointError, match=r"taken already holds checkpoints \(last.ckpt\); resume"):
+    with pytest.raises(
+        CheckpointError, match=r"taken already holds checkpoints \(best.ckpt, last.ckpt\); resume"
+    ):
         run_train(tmp_path, corpus, "logger=none", "trainer.max_steps=2", "seed=5", name="taken")
     assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == before  # nothing was written
     run_train(
