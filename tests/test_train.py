@@ -20,7 +20,7 @@ from train import build_callbacks, build_trainer, resume_command, run_summary, t
 from training.callbacks import TextSample
 from training.loggers import csv_logger, finish_wandb
 from training.module import LitLlama
-from training.optim import build_optimizer
+from training.optim import OptimConfig, build_optimizer
 from training.throughput import matmul_dtype
 
 
@@ -164,6 +164,23 @@ def test_resume_gives_identical_weights(tmp_path, corpus, optim):
         assert torch.equal(a[k], b[k]), k
     _, fresh = run_train(tmp_path, corpus, "seed=7", name="other_seed")
     assert not torch.equal(last_weights(fresh)["embed.weight"], a["embed.weight"])  # the check can fail
+
+
+def test_schedule_steps_stops_a_run_where_the_longer_schedule_was(tmp_path, corpus):
+    """trainer.max_steps=10 on a 20-step schedule ends with the 20-step run's step-10 weights; on its
+    own 10-step schedule (the learning rate decayed sooner) it does not."""
+    _, full = run_train(tmp_path, corpus, "callbacks.checkpoint.keep_all=true", name="full")
+    at_10 = model_state_from_checkpoint(safe_load(full / "checkpoints" / "step000010.ckpt"))
+    _, cut = run_train(tmp_path, corpus, "trainer.max_steps=10", "optim.schedule_steps=20", name="cut")
+    _, own = run_train(tmp_path, corpus, "trainer.max_steps=10", name="own")
+    cut_weights, own_weights = last_weights(cut), last_weights(own)
+    assert at_10.keys() == cut_weights.keys() and all(torch.equal(at_10[k], cut_weights[k]) for k in at_10)
+    assert not torch.equal(at_10["embed.weight"], own_weights["embed.weight"])
+
+
+def test_schedule_steps_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match=r"optim.schedule_steps must be a positive integer or null .*got 0"):
+        OptimConfig(schedule_steps=0)
 
 
 def test_ema_checkpoints_hold_the_average_and_resume_both_trajectories(tmp_path, corpus):

@@ -130,8 +130,9 @@ class LitLlama(L.LightningModule):
         fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
         optimizer = build_optimizer(self.model, self.optim, fused)
         warmup, min_lr_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
+        schedule_steps = self.optim.schedule_steps or self.max_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup, self.max_steps, min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, warmup, schedule_steps, min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

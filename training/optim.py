@@ -38,6 +38,7 @@ class OptimConfig:
     weight_decay: float = 0.1  # matrices only
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 100
+    schedule_steps: int | None = None  # the cosine's length (null: trainer.max_steps); longer stops mid-decay
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
@@ -48,6 +49,11 @@ class OptimConfig:
                 f"Unknown optimizer optim.name={self.name!r}; choose one of {', '.join(OPTIMIZERS)}."
             )
         self.betas = tuple(self.betas)  # a YAML list
+        steps = self.schedule_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(
+                f"optim.schedule_steps must be a positive integer or null (= trainer.max_steps), got {steps!r}."
+            )
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
