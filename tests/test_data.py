@@ -404,20 +404,14 @@ def test_datamodule_eval_windows_are_contiguous_and_capped(tmp_path):
 
 def test_val_batch_size_keeps_the_val_windows_when_batch_size_changes(tmp_path):
     source = _small_source(tmp_path, n_files=12)
-    first = [
-        torch.cat(
-            [
-                x
-                for x, _ in _dm(
-                    tmp_path, source=source, batch_size=b, max_len=16, val_batch_size=3, val_max_batches=2
-                ).val_dataloader()
-            ]
-        )
-        for b in (2, 5)
-    ]
-    assert first[0].shape == (6, 16) and torch.equal(first[0], first[1])
-    unset = _dm(tmp_path, source=source, batch_size=5, max_len=16, val_max_batches=2).val_dataloader()
-    assert next(iter(unset))[0].shape == (5, 16)  # null: the training batch size, as before
+
+    def val_windows(**kw) -> torch.Tensor:
+        loader = _dm(tmp_path, source=source, max_len=16, val_max_batches=2, **kw).val_dataloader()
+        return torch.cat([x for x, _ in loader])
+
+    fixed = [val_windows(batch_size=b, val_batch_size=3) for b in (2, 5)]
+    assert fixed[0].shape == (6, 16) and torch.equal(fixed[0], fixed[1])
+    assert val_windows(batch_size=5).shape == (10, 16)  # null: the training batch size, as before
     with pytest.raises(DataError, match="val_batch_size must be a positive integer, got 0"):
         _dm(tmp_path, source=source, val_batch_size=0)
 
