@@ -126,17 +126,17 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         self.source = _plain(source)
         self.recall = RecallConfig.from_options(recall)  # data.recall; None = no recall windows
-        sizes = [("max_len", max_len), ("batch_size", batch_size), ("vocab_size", vocab_size)]
-        if val_batch_size is not None:
-            sizes.append(("val_batch_size", val_batch_size))
-        for name, value in sizes:
+        # Held-out windows per batch; fixed in a data config so changing batch_size keeps the same val set.
+        val_batch_size = batch_size if val_batch_size is None else val_batch_size
+        sizes = dict(
+            max_len=max_len, batch_size=batch_size, vocab_size=vocab_size, val_batch_size=val_batch_size
+        )
+        for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}.")
         self.save_hyperparameters()
         self.max_len, self.batch_size, self.num_workers, self.seed = max_len, batch_size, num_workers, seed
-        self.val_max_batches = val_max_batches
-        # Held-out windows per batch; fixed in a data config so changing batch_size keeps the same val set.
-        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
+        self.val_max_batches, self.val_batch_size = val_max_batches, val_batch_size
         self.cache: TokenCache | None = None
         self.train_set: RandomWindows | None = None
         self._resume_batches = 0  # from load_state_dict before setup
