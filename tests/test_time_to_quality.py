@@ -27,7 +27,7 @@ def test_bad_options_are_one_sentence(bad):
         ttq.parse_args([bad])
 
 
-@pytest.mark.slow  # a real training run (~15 s): the default run stays under CI's 10 minutes on a slow host
+@pytest.mark.slow  # a real training run: kept out of the default run, which must stay under 10 minutes
 def test_a_tiny_recipe_reports_time_steps_and_tokens(tmp_path):
     corpus = small_corpus(tmp_path / "corpus")
     extra = [o for o in tiny_overrides(tmp_path, corpus) if not o.startswith("trainer.val_check_interval")]

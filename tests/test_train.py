@@ -339,7 +339,7 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     assert scalings == {"none", "linear"}
 
 
-@pytest.mark.slow  # two training processes (~15 s): the default run stays under CI's 10 minutes on a slow host
+@pytest.mark.slow  # two training processes: kept out of the default run, which must stay under 10 minutes
 def test_ddp_on_two_cpu_processes(tmp_path, corpus):
     run_dir = tmp_path / "ddp"
     proc = train_cli(
