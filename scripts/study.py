@@ -28,6 +28,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
 
@@ -55,7 +56,10 @@ RETRIEVAL_METHODS = "[none,ntk,dynamic_ntk,yarn,llama3,self_extend]"
 class StudyConfig:
     out: str = "runs/study"
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
-    seeds: int = 3  # base models trained with seeds 0..seeds-1 (seed, data order and recall data differ)
+    # base models: a count n (seeds 0..n-1) or the seeds themselves, e.g. [7,10,11]; seed k trains with
+    # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>); the first seed's base is fine-tuned.
+    # Any: OmegaConf 2.3 has no int | list[int] field
+    seeds: Any = 3
     recipe: str | None = None  # experiment= of every trained model (e.g. recall_base); null: default job
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
     base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
@@ -285,10 +289,20 @@ def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> 
 # ----------------------------------------------------------------------------- the study
 
 
+def seed_list(seeds: Any) -> list[int]:
+    """The base models' seeds from `seeds`: a count n means 0..n-1; a list names them (distinct, >= 0)."""
+    integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731  (True is an int)
+    if integer(seeds) and seeds >= 1:
+        return list(range(seeds))
+    distinct = isinstance(seeds, list) and len(set(map(str, seeds))) == len(seeds) > 0
+    if distinct and all(integer(k) and k >= 0 for k in seeds):
+        return seeds
+    raise ValueError(f"seeds must be a count >= 1 or a list of distinct seeds >= 0, got {seeds!r}.")
+
+
 def check_config(cfg: StudyConfig) -> None:
-    if isinstance(cfg.seeds, bool) or not isinstance(cfg.seeds, int) or cfg.seeds < 1:
-        raise ValueError(f"seeds must be a positive integer, got {cfg.seeds!r}.")
-    if cfg.base_ckpt and cfg.seeds != 1:
+    seeds = seed_list(cfg.seeds)
+    if cfg.base_ckpt and len(seeds) != 1:
         raise ValueError(f"base_ckpt reuses one base model, so it needs seeds=1, got seeds={cfg.seeds}.")
     if not cfg.corpora:
         raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
@@ -342,28 +356,31 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
                   f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip
 
     bases = {}
-    for seed in range(cfg.seeds):
+    seeds = seed_list(cfg.seeds)
+    for seed in seeds:
         name = f"base_s{seed}"
         if cfg.base_ckpt:
             bases[name] = Path(cfg.base_ckpt)
         else:
-            seeds = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
-            bases[name] = train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeds)
+            seeded = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
+            bases[name] = train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeded)
         evaluate(name, bases[name], ZERO_SHOT)
         retrieve(name, bases[name], RETRIEVAL_METHODS)
     extended = {}
     for name, rope in [("pi", []), ("yarn", ["rope=yarn"])]:
-        init = resolve_checkpoint(bases["base_s0"])  # init_from takes a .ckpt file
+        init = resolve_checkpoint(bases[f"base_s{seeds[0]}"])  # init_from takes a .ckpt file
         extended[name] = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
         evaluate(name, extended[name], "[ckpt]")
         retrieve(name, extended[name], "[ckpt]")
     large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
     large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
     evaluate("large_base", large, "[none]")
-    summarise(cfg, out, [*bases, *extended, "large_base"], base_len, train_extra)
+    summarise(cfg, out, [*bases, *extended, "large_base"], base_len, train_extra, seeds)
 
 
-def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str]) -> None:
+def summarise(
+    cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str], seeds: list[int]
+) -> None:
     """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
     seed_of = lambda m: int(m.rsplit("_s", 1)[1]) if m.startswith("base_s") else 0  # noqa: E731
     model_of = lambda m: "base" if m.startswith("base_s") else m  # noqa: E731
@@ -376,9 +393,9 @@ def summarise(cfg: StudyConfig, out: Path, models: list[str], base_len: int, tra
         for corpus in cfg.corpora
     }
     header = (
-        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{cfg.seeds} base model(s) trained at "
-        f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds 0..{cfg.seeds - 1}); `pi`/`yarn` "
-        f"fine-tuned at 4L from seed 0's base; `large_base` "
+        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{len(seeds)} base model(s) trained at "
+        f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds {', '.join(map(str, seeds))}); "
+        f"`pi`/`yarn` fine-tuned at 4L from seed {seeds[0]}'s base; `large_base` "
         + (
             f"reused from {cfg.large_base_ckpt}. "
             if cfg.large_base_ckpt

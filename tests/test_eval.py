@@ -590,6 +590,37 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     assert cfg.optim.name == "muon" and cfg.optim.muon_lr == 2e-3  # the recipe's optimizer at fine-tune rates
 
 
+def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monkeypatch):
+    """seeds=[7,3]: base_s7 and base_s3 train with seeds 1344 and 1340 (recall seeds 7 and 3), and the
+    PI fine-tune starts from the first seed's base, not from a base_s0 that does not exist."""
+    commands = []
+
+    def fake_run(command, cwd):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1 if command[1] == "train.py" else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    with pytest.raises(RuntimeError, match="step 'train base_s7' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"]), [])
+    assert commands[-1][-3:] == ["seed=1344", "data.seed=1344", "++data.recall.seed=7"]
+    for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
+        (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / f"base_s{seed}" / study.TRAINED).touch()
+    commands.clear()
+    with pytest.raises(RuntimeError, match="step 'train pi' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"]), [])
+    evaluations = ["scripts/eval_extrapolation.py", "scripts/passkey.py"] * 2  # base_s7's, then base_s3's
+    assert [c[1] for c in commands] == [*evaluations, "train.py"]
+    assert f"init_from={tmp_path / 'runs' / 'base_s7' / 'last.ckpt'}" in commands[-1]
+
+
+@pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
+def test_study_rejects_bad_seeds_in_one_sentence(seeds):
+    with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):
+        study.check_config(study.StudyConfig(seeds=seeds))
+
+
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     """~6 minutes on 2 shared cores: five tiny trainings (two seeds), eight evaluations on two corpora
