@@ -181,11 +181,11 @@ MARGIN_COLUMN = "first_margin"
 
 
 def seed_means(rows: list[dict], column: str) -> list[float]:
-    """The mean of `column` over each seed's rows, one value per seed."""
+    """The mean of `column` over each seed's rows, one value per seed, in the order of the seeds."""
     per_seed = defaultdict(list)
     for r in rows:
         per_seed[r["seed"]].append(r[column])
-    return [float(np.mean(v)) for v in per_seed.values()]
+    return [float(np.mean(v)) for _, v in sorted(per_seed.items())]
 
 
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
@@ -215,9 +215,8 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
         accuracy.append(row)
     text, paired = [], []
     base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
-    for t in trials:
-        if t["model"].startswith("base"):
-            base_trials[t["task"], t["length"]].append(t)
+    for t in base_trials_of(trials):
+        base_trials[t["task"], t["length"]].append(t)
     metrics = RETRIEVAL_METRICS + ((("margin", MARGIN_COLUMN),) if has_margin else ())
     for task in dict.fromkeys(r["task"] for r in accuracy):
         sel = [r for r in accuracy if r["task"] == task]
@@ -234,6 +233,14 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                 cell = {r["length"]: r for r in sel if r["method"] == method}
                 text.append(f"| {method} | " + " | ".join(
                     "—" if t not in cell else retrieval_cell(cell[t], name) for t in lengths) + " |")  # fmt: skip
+            if name == "greedy" and len(seeds := sorted({t["seed"] for t in base_trials_of(trials)})) > 1:
+                # pooling hides a base that never copies: each seed's own accuracy, seed by seed
+                text += [f"\n### {task}: greedy accuracy per seed (base models: {' / '.join(map(str, seeds))})\n",
+                         "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
+                for method in dict.fromkeys(r["method"] for r in sel):
+                    text.append(f"| {method} | " + " | ".join(
+                        " / ".join(f"{a:.0%}" for a in seed_means(cells[task, method, t], column))
+                        if (task, method, t) in cells else "—" for t in lengths) + " |")  # fmt: skip
             for length in lengths:
                 by_method = defaultdict(dict)
                 for t in base_trials[task, length]:
@@ -248,6 +255,11 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}"
                 )
     return accuracy, paired, "\n".join(text) + "\n"
+
+
+def base_trials_of(trials: list[dict]) -> list[dict]:
+    """The base models' trials (the fine-tunes and the large base are single models of one seed)."""
+    return [t for t in trials if t["model"].startswith("base")]
 
 
 def retrieval_cell(row: dict, name: str) -> str:

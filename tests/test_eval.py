@@ -721,6 +721,19 @@ def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
     assert "(ranking), base models, T = 512: significant orderings (95%): none" in text
     assert "| base/yarn | 100% [" in text and "### passkey: ranking accuracy" in text
     assert "margin" not in text and "margin_mean" not in none  # trials.csv files without the margin column
+    assert "| base/none | 20% / 20% |" in text  # the per-seed table: trial 0 of 5 per depth on each seed
+
+
+def test_study_retrieval_tables_show_a_base_that_never_copies_seed_by_seed():
+    """Seed 2 writes every key, seed 10 none: pooled that is 50%; the per-seed table, in seed order, shows both."""
+    trials = [{"task": "passkey", "model": "base", "seed": seed, "method": "none", "length": 256, "depth": 0.5,
+               "trial": trial, "greedy_correct": int(seed == 2), "rank_correct": 1}
+              for seed in (10, 2) for trial in range(4)]  # fmt: skip
+    trials.append(trials[0] | {"model": "yarn", "method": "ckpt", "seed": 0})  # a fine-tune: not a base seed
+    _, _, text = study.retrieval_tables(trials)
+    assert "| base/none | 50% [" in text
+    assert "### passkey: greedy accuracy per seed (base models: 2 / 10)" in text
+    assert "| base/none | 100% / 0% |" in text
 
 
 def test_study_retrieval_tables_compare_first_token_margins():
