@@ -214,8 +214,10 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
         accuracy.append(row)
     text, paired = [], []
+    base_only = [t for t in trials if t["model"].startswith("base")]  # fine-tunes, large base: one seed each
+    base_seeds = sorted({t["seed"] for t in base_only})
     base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
-    for t in base_trials_of(trials):
+    for t in base_only:
         base_trials[t["task"], t["length"]].append(t)
     metrics = RETRIEVAL_METRICS + ((("margin", MARGIN_COLUMN),) if has_margin else ())
     for task in dict.fromkeys(r["task"] for r in accuracy):
@@ -227,16 +229,18 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                 if name == "margin"
                 else f"{name} accuracy, pooled over seeds [Wilson 95%]"
             )
-            text += [f"\n### {task}: {title}\n",
-                     "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
+            text += [f"\n### {task}: {title}\n", *table_head(lengths)]
             for method in dict.fromkeys(r["method"] for r in sel):
                 cell = {r["length"]: r for r in sel if r["method"] == method}
                 text.append(f"| {method} | " + " | ".join(
                     "—" if t not in cell else retrieval_cell(cell[t], name) for t in lengths) + " |")  # fmt: skip
-            if name == "greedy" and len(seeds := sorted({t["seed"] for t in base_trials_of(trials)})) > 1:
+            if name == "greedy" and len(base_seeds) > 1:
                 # pooling hides a base that never copies: each seed's own accuracy, seed by seed
-                text += [f"\n### {task}: greedy accuracy per seed (base models: {' / '.join(map(str, seeds))})\n",
-                         "| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]  # fmt: skip
+                seeds = " / ".join(map(str, base_seeds))
+                text += [
+                    f"\n### {task}: greedy accuracy per seed (base models: {seeds})\n",
+                    *table_head(lengths),
+                ]
                 for method in dict.fromkeys(r["method"] for r in sel):
                     text.append(f"| {method} | " + " | ".join(
                         " / ".join(f"{a:.0%}" for a in seed_means(cells[task, method, t], column))
@@ -257,9 +261,9 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     return accuracy, paired, "\n".join(text) + "\n"
 
 
-def base_trials_of(trials: list[dict]) -> list[dict]:
-    """The base models' trials (the fine-tunes and the large base are single models of one seed)."""
-    return [t for t in trials if t["model"].startswith("base")]
+def table_head(lengths: list[int]) -> list[str]:
+    """A retrieval table's header and separator lines: model/method, then one column per length."""
+    return ["| model/method | " + " | ".join(map(str, lengths)) + " |", "|---" * (len(lengths) + 1) + "|"]
 
 
 def retrieval_cell(row: dict, name: str) -> str:
