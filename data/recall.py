@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -444,3 +444,30 @@ class RecallMixer:
         block = tuple((subject, words[i]) for subject, i in zip(subjects, picks[:n]))
         statement = self.tok.encode(FORMS[flat].format(" ".join(f"The {s} is {v}." for s, v in block)))
         return block, statement, capped_repeats(rng, len(statement), free)
+
+
+def held_out_windows(
+    tokenizer: Tokenizer, config: RecallConfig, tokens: np.ndarray, window_len: int, count: int, seed: int = 0
+) -> list[RecallWindow]:
+    """`count` recall windows of `window_len` tokens at full difficulty, their haystacks cut from held-out
+    `tokens` (n,) at random starts: the training format on text never trained on. Every asked fact is stated
+    (an unstated fact's digits cannot be known). Empty when `tokens` cannot fill one window."""
+    if len(tokens) < window_len:
+        return []
+    mixer = RecallMixer(tokenizer, replace(config, unstated_share=0.0), window_len)
+    rng = np.random.default_rng([seed, len(tokens)])
+    starts = rng.integers(0, len(tokens) - window_len + 1, size=count)
+    return [mixer.window(rng, np.asarray(tokens[s : s + window_len], dtype=np.int64)) for s in starts]
+
+
+def answer_accuracy(predictions: np.ndarray, windows: list[RecallWindow]) -> tuple[float, float]:
+    """(exact, digits) of teacher-forced answers: `predictions` (B, L) are the argmax next tokens of each
+    window's first L tokens (row i predicts windows[i].tokens[1:]). exact: share of answers whose every
+    token (the leading space and the digits) is predicted; digits: share of the digits (chance about 0.1)."""
+    exact, digits, n_answers, n_digits = 0, 0, 0, 0
+    for row, window in zip(predictions, windows):
+        for start, end in window.answers:
+            hits = row[start - 1 : end - 1] == window.tokens[start:end]
+            exact, digits = exact + bool(hits.all()), digits + int(hits[1:].sum())
+            n_answers, n_digits = n_answers + 1, n_digits + len(hits) - 1
+    return exact / max(1, n_answers), digits / max(1, n_digits)

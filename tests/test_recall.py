@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from data import DataError, TextDataModule
-from data.recall import ADJECTIVES, EVAL_WORDS, NOUNS, QUESTIONS, TEMPLATES, RecallConfig, RecallMixer
+from data.recall import (
+    ADJECTIVES,
+    EVAL_WORDS,
+    NOUNS,
+    QUESTIONS,
+    TEMPLATES,
+    RecallConfig,
+    RecallMixer,
+    answer_accuracy,
+    held_out_windows,
+)
 from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
@@ -424,3 +434,64 @@ def test_copy_windows_alone_turn_the_mixer_on(tmp_path):
     dm.setup("fit")
     x, _ = dm.train_set.batch(0)
     assert all(len(set(row.tolist())) < 0.8 * 256 for row in x)  # every row repeats about half its tokens
+
+
+def test_held_out_windows_cut_the_given_text_deterministically_and_state_every_asked_fact(tok):
+    text = np.asarray(tok.encode("Upon the heath there stood a crooked tree\n" * 300), dtype=np.int64)
+    cfg = RecallConfig.from_options({"fraction": 0.4, "min_pairs": 2, "max_pairs": 3, "queries": 2,
+                                     "unstated_share": 1.0})  # fmt: skip
+    first, again, other = (held_out_windows(tok, cfg, text, 257, 6, seed) for seed in (0, 0, 1))
+    assert len(first) == 6 and all(np.array_equal(a.tokens, b.tokens) for a, b in zip(first, again))
+    assert not all(np.array_equal(a.tokens, b.tokens) for a, b in zip(first, other))
+    for w in first:
+        decoded = tok.decode(w.tokens.tolist())
+        assert w.tokens.shape == (257,) and w.unstated is None and "heath" in decoded
+        before_questions = tok.decode(w.tokens[: w.answers[0][0]].tolist())
+        assert all(str(w.facts[i][1]) in before_questions for i in w.asked)  # stated before any answer
+    assert held_out_windows(tok, cfg, text[:200], 257, 6) == []  # too little text for one window
+
+
+def test_answer_accuracy_scores_the_leading_space_and_every_digit(tok):
+    ws = windows(tok, seed=3, count=4, min_pairs=2, max_pairs=2, queries=2)
+    perfect = np.stack([w.tokens[1:] for w in ws])  # (B, L): row i predicts windows[i].tokens[1:]
+    assert answer_accuracy(perfect, ws) == (1.0, 1.0)
+    digits = sum(end - start - 1 for w in ws for start, end in w.answers)
+    wrong = perfect.copy()
+    start, _ = ws[0].answers[0]
+    wrong[0, start - 1] += 1  # the leading space missed: the answer is wrong, its digits are not
+    start, _ = ws[1].answers[1]
+    wrong[1, start + 1] += 1  # the second digit missed
+    assert answer_accuracy(wrong, ws) == (6 / 8, (digits - 1) / digits)
+
+
+def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token(tok):
+    """The probe's wiring: what it feeds the model lines up with what answer_accuracy scores."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from training.callbacks import RecallProbe
+
+    text = np.asarray(tok.encode("Upon the heath there stood a crooked tree\n" * 300), dtype=np.int64)
+    cfg = RecallConfig.from_options({"fraction": 0.4, "min_pairs": 1, "max_pairs": 2})
+    data = SimpleNamespace(recall=cfg, documents=lambda split: [text], tokenizer=tok, max_len=256)
+    trainer = SimpleNamespace(datamodule=data, is_global_zero=True, sanity_checking=False,
+                              precision_plugin=SimpleNamespace(val_step_context=nullcontext))  # fmt: skip
+    probe = RecallProbe(windows=5, batch_size=2)
+    probe.setup(trainer, None, "fit")
+    assert len(probe.windows) == 5
+
+    def scores(shift: int) -> dict:
+        """Logged metrics of a model that predicts window.tokens[t + shift] at input position t."""
+        following = {tuple(w.tokens[:-1].tolist()): w.tokens for w in probe.windows}
+
+        def model(inputs):  # (b, L) -> (b, L, V) one-hot logits
+            rows = [following[tuple(row.tolist())][shift : shift + inputs.shape[1]] for row in inputs]
+            return torch.nn.functional.one_hot(torch.tensor(np.stack(rows)), tok.vocab_size).float()
+
+        logged = {}
+        module = SimpleNamespace(model=model, device="cpu", log=lambda k, v, **_: logged.update({k: v}))
+        probe.on_validation_epoch_end(trainer, module)
+        return logged
+
+    assert scores(shift=1) == {"val/recall_digits": 1.0, "val/recall_exact": 1.0}
+    assert scores(shift=0)["val/recall_exact"] == 0.0  # one position off: nothing is right

@@ -318,6 +318,8 @@ def test_run_summary_names_existing_checkpoints_and_scores(tmp_path):
         == f"Checkpoints: {tmp_path} (best.ckpt, last.ckpt)\nFinal validation: val/loss=1.5000, val/bpc=2.0000"
     )
     assert "none ran" in run_summary({}, tmp_path / "missing", 100).splitlines()[1]
+    recall = run_summary({"val/bpc": 2.0, "val/recall_digits": 0.125, "val/recall_exact": 0.0}, tmp_path, 100)
+    assert recall.endswith("val/bpc=2.0000, val/recall_digits=0.1250, val/recall_exact=0.0000")
 
 
 def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
@@ -414,3 +416,21 @@ def test_checkpoints_that_do_not_fit_are_refused_before_the_run_directory_is_wri
                 "ffn_hidden 192 in the checkpoint, 352 here."  # derived from d_model
             )
         assert list(run_dir.iterdir()) == []  # refused before anything was written into the run directory
+
+
+def test_recall_runs_log_the_held_out_recall_probe_and_plain_runs_do_not(tmp_path, corpus):
+    recall = ["data.max_len=128", "data.recall.fraction=0.5", "++data.recall.max_pairs=1"]
+    metrics, run_dir = run_train(tmp_path, corpus, *recall, name="recall")
+    with open(run_dir / "metrics.csv") as f:
+        probed = [
+            (int(r["step"]) + 1, float(r["val/recall_digits"]))
+            for r in csv.DictReader(f)
+            if r.get("val/recall_digits")
+        ]
+    assert [step for step, _ in probed] == [10, 20] and all(0 <= d <= 1 for _, d in probed)
+    assert (
+        0 <= metrics["val/recall_exact"] <= metrics["val/recall_digits"] + 1e-9
+        or metrics["val/recall_exact"] <= 1
+    )
+    plain, _ = run_train(tmp_path, corpus, "data.max_len=128", name="plain")
+    assert "val/bpc" in plain and "val/recall_digits" not in plain

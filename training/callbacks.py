@@ -1,5 +1,5 @@
-"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, text samples at validation, and
-the Hydra callback that tells train.py whether it created its run directory.
+"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, text samples and the recall probe at
+validation, and the Hydra callback that tells train.py whether it created its run directory.
 
 configs/callbacks/default.yaml instantiates the Lightning callbacks (these and Lightning's own), one
 entry each; `sample` in configs/train.yaml instantiates TextSample.
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import lightning as L
+import numpy as np
 import torch
 from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
@@ -18,6 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from data.recall import answer_accuracy, held_out_windows
 from inference.checkpoint import atomic_torch_save, safe_load
 
 
@@ -70,6 +72,44 @@ class TextSample(L.Callback):
         for logger in trainer.loggers:
             if hasattr(logger, "log_text"):  # WandbLogger: a table that grows with each validation
                 logger.log_text(key="samples", columns=["step", "text"], data=self.rows, step=step)
+
+
+class RecallProbe(L.Callback):
+    """After each validation, the teacher-forced answers of `windows` held-out recall windows (the run's own
+    `data.recall` format, haystacks from the validation split): logs `val/recall_digits` (share of answer
+    digits predicted; chance about 0.1) and `val/recall_exact` (share of answers right to the last digit).
+    A base that never learns to copy ends with a val bpc like one that does; its digits stay at chance
+    (docs/data.md, Recall windows). Does nothing in a run without recall windows."""
+
+    def __init__(self, windows: int = 64, batch_size: int = 16, seed: int = 0):
+        self.count, self.batch_size, self.seed = windows, batch_size, seed
+        self.windows: list = []
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        data = trainer.datamodule
+        recall = getattr(data, "recall", None)
+        if self.count < 1 or recall is None or recall.fraction == 0:
+            return
+        tokens = np.concatenate(data.documents("val"))
+        self.windows = held_out_windows(
+            data.tokenizer, recall, tokens, data.max_len + 1, self.count, self.seed
+        )
+        if not self.windows and trainer.is_global_zero:
+            print(f"RecallProbe: the validation split ({len(tokens)} tokens) cannot fill one window; off.")
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if not self.windows or trainer.sanity_checking:
+            return
+        tokens = torch.from_numpy(np.stack([w.tokens for w in self.windows]))  # (N, max_len + 1)
+        predictions = []
+        with trainer.precision_plugin.val_step_context():  # the dtype validation runs in
+            for batch in tokens.split(self.batch_size):
+                logits = pl_module.model(batch[:, :-1].to(pl_module.device))  # (b, max_len, V)
+                predictions.append(logits.argmax(-1).cpu())
+        exact, digits = answer_accuracy(torch.cat(predictions).numpy(), self.windows)
+        pl_module.log("val/recall_digits", digits, prog_bar=True)
+        pl_module.log("val/recall_exact", exact)
 
 
 class SaveLastCheckpoint(L.Callback):
