@@ -182,7 +182,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def run_summary(metrics: dict[str, float], ckpt_dir: Path, val_check_interval) -> str:
     """The end-of-run lines: the checkpoints that exist and the last validation, or why none ran."""
     lines = [f"Checkpoints: {ckpt_dir} ({', '.join(checkpoint_names(ckpt_dir)) or 'none'})"]
-    names = ("val/loss", "val/ppl", "val/bpc", "val/recall_digits", "val/recall_exact")  # recall: RecallProbe
+    names = (
+        "val/loss",
+        "val/ppl",
+        "val/bpc",
+        "val/recall_digits",
+        "val/recall_exact",
+        "val/digit_similarity",
+    )
     scores = [f"{k}={metrics[k]:.4f}" for k in names if k in metrics]
     if scores:
         lines.append(f"Final validation: {', '.join(scores)}")

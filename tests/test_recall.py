@@ -23,6 +23,7 @@ from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
+from training.callbacks import mean_cosine
 from training.optim import OptimConfig
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
@@ -484,14 +485,27 @@ def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token
         """Logged metrics of a model that predicts window.tokens[t + shift] at input position t."""
         following = {tuple(w.tokens[:-1].tolist()): w.tokens for w in probe.windows}
 
-        def model(inputs):  # (b, L) -> (b, L, V) one-hot logits
-            rows = [following[tuple(row.tolist())][shift : shift + inputs.shape[1]] for row in inputs]
-            return torch.nn.functional.one_hot(torch.tensor(np.stack(rows)), tok.vocab_size).float()
+        class Model:
+            embed = torch.nn.Embedding(tok.vocab_size, 8)
+
+            def __call__(self, inputs):  # (b, L) -> (b, L, V) one-hot logits
+                rows = [following[tuple(row.tolist())][shift : shift + inputs.shape[1]] for row in inputs]
+                return torch.nn.functional.one_hot(torch.tensor(np.stack(rows)), tok.vocab_size).float()
 
         logged = {}
+        model = Model()
         module = SimpleNamespace(model=model, device="cpu", log=lambda k, v, **_: logged.update({k: v}))
         probe.on_validation_epoch_end(trainer, module)
+        digits = model.embed.weight[[tok.encode(str(d))[0] for d in range(10)]]
+        assert logged.pop("val/digit_similarity") == mean_cosine(digits)
         return logged
 
     assert scores(shift=1) == {"val/recall_digits": 1.0, "val/recall_exact": 1.0}
     assert scores(shift=0)["val/recall_exact"] == 0.0  # one position off: nothing is right
+
+
+def test_mean_cosine_is_the_mean_over_distinct_pairs():
+    assert mean_cosine(torch.eye(3)) == pytest.approx(0.0)
+    assert mean_cosine(torch.ones(4, 5) * torch.arange(1.0, 5.0)[:, None]) == pytest.approx(1.0)
+    pairs = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]])  # cosines 1/sqrt(2), 0, 1/sqrt(2)
+    assert mean_cosine(pairs) == pytest.approx(2**0.5 / 3)

@@ -77,13 +77,16 @@ class TextSample(L.Callback):
 class RecallProbe(L.Callback):
     """After each validation, the teacher-forced answers of `windows` held-out recall windows (the run's own
     `data.recall` format, haystacks from the validation split): logs `val/recall_digits` (share of answer
-    digits predicted; chance about 0.1) and `val/recall_exact` (share of answers right to the last digit).
-    A base that never learns to copy ends with a val bpc like one that does; its digits stay at chance
-    (docs/data.md, Recall windows). Does nothing in a run without recall windows."""
+    digits predicted; chance about 0.1) and `val/recall_exact` (share of answers right to the last digit), and
+    `val/digit_similarity`, the mean pairwise cosine of the ten digits' input embeddings (when each digit is
+    one token). A base that never learns to copy ends with a val bpc like one that does; its digits stay at
+    chance and their embeddings near one direction (docs/data.md, Recall windows). Does nothing in a run
+    without recall windows."""
 
     def __init__(self, windows: int = 64, batch_size: int = 16, seed: int = 0):
         self.count, self.batch_size, self.seed = windows, batch_size, seed
         self.windows: list = []
+        self.digit_ids: list[int] = []
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         data = trainer.datamodule
@@ -94,6 +97,8 @@ class RecallProbe(L.Callback):
         self.windows = held_out_windows(
             data.tokenizer, recall, tokens, data.max_len + 1, self.count, self.seed
         )
+        digits = [data.tokenizer.encode(str(d)) for d in range(10)]
+        self.digit_ids = [ids[0] for ids in digits] if all(len(ids) == 1 for ids in digits) else []
         if not self.windows and trainer.is_global_zero:
             print(f"RecallProbe: the validation split ({len(tokens)} tokens) cannot fill one window; off.")
 
@@ -110,6 +115,15 @@ class RecallProbe(L.Callback):
         exact, digits = answer_accuracy(torch.cat(predictions).numpy(), self.windows)
         pl_module.log("val/recall_digits", digits, prog_bar=True)
         pl_module.log("val/recall_exact", exact)
+        if self.digit_ids:
+            pl_module.log("val/digit_similarity", mean_cosine(pl_module.model.embed.weight[self.digit_ids]))
+
+
+def mean_cosine(vectors: torch.Tensor) -> float:
+    """Mean cosine similarity over the distinct pairs of the rows of `vectors` (n, C), n >= 2."""
+    unit = torch.nn.functional.normalize(vectors.detach().float(), dim=-1)
+    n = len(unit)
+    return float(((unit @ unit.T).sum() - n) / (n * (n - 1)))
 
 
 class SaveLastCheckpoint(L.Callback):
