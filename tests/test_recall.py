@@ -465,8 +465,9 @@ def test_answer_accuracy_scores_the_leading_space_and_every_digit(tok):
     assert answer_accuracy(wrong, ws) == (6 / 8, (digits - 1) / digits)
 
 
-def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token(tok):
-    """The probe's wiring: what it feeds the model lines up with what answer_accuracy scores."""
+def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token(tok, capsys):
+    """The probe's wiring: what it feeds the model lines up with what answer_accuracy scores; a late
+    validation at chance warns."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
@@ -475,8 +476,8 @@ def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token
     text = np.asarray(tok.encode("Upon the heath there stood a crooked tree\n" * 300), dtype=np.int64)
     cfg = RecallConfig.from_options({"fraction": 0.4, "min_pairs": 1, "max_pairs": 2})
     data = SimpleNamespace(recall=cfg, documents=lambda split: [text], tokenizer=tok, max_len=256)
-    trainer = SimpleNamespace(datamodule=data, is_global_zero=True, sanity_checking=False,
-                              precision_plugin=SimpleNamespace(val_step_context=nullcontext))  # fmt: skip
+    trainer = SimpleNamespace(datamodule=data, is_global_zero=True, sanity_checking=False, global_step=10,
+                              max_steps=100, precision_plugin=SimpleNamespace(val_step_context=nullcontext))  # fmt: skip
     probe = RecallProbe(windows=5, batch_size=2)
     probe.setup(trainer, None, "fit")
     assert len(probe.windows) == 5
@@ -502,6 +503,12 @@ def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token
 
     assert scores(shift=1) == {"val/recall_digits": 1.0, "val/recall_exact": 1.0}
     assert scores(shift=0)["val/recall_exact"] == 0.0  # one position off: nothing is right
+    assert "RecallProbe" not in capsys.readouterr().out  # step 10 of 100: too early to tell
+    trainer.global_step = 75
+    scores(shift=1)
+    assert "RecallProbe" not in capsys.readouterr().out  # late, but it copies
+    scores(shift=0)
+    assert "at step 75 of 100 the held-out recall digits are at 0.0" in capsys.readouterr().out
 
 
 def test_mean_cosine_is_the_mean_over_distinct_pairs():

@@ -80,11 +80,20 @@ class RecallProbe(L.Callback):
     digits predicted; chance about 0.1) and `val/recall_exact` (share of answers right to the last digit), and
     `val/digit_similarity`, the mean pairwise cosine of the ten digits' input embeddings (when each digit is
     one token). A base that never learns to copy ends with a val bpc like one that does; its digits stay at
-    chance and their embeddings near one direction (docs/data.md, Recall windows). Does nothing in a run
-    without recall windows."""
+    chance and their embeddings near one direction (docs/data.md, Recall windows). From `warn_after` of
+    max_steps on, digits below `warn_below` print a warning: every such base so far never learned to copy.
+    Does nothing in a run without recall windows."""
 
-    def __init__(self, windows: int = 64, batch_size: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        windows: int = 64,
+        batch_size: int = 16,
+        seed: int = 0,
+        warn_after: float = 0.75,
+        warn_below: float = 0.5,
+    ):
         self.count, self.batch_size, self.seed = windows, batch_size, seed
+        self.warn_after, self.warn_below = warn_after, warn_below
         self.windows: list = []
         self.digit_ids: list[int] = []
 
@@ -117,6 +126,14 @@ class RecallProbe(L.Callback):
         pl_module.log("val/recall_exact", exact)
         if self.digit_ids:
             pl_module.log("val/digit_similarity", mean_cosine(pl_module.model.embed.weight[self.digit_ids]))
+        step, max_steps = trainer.global_step, trainer.max_steps
+        if 0 < self.warn_after * max_steps <= step and digits < self.warn_below and trainer.is_global_zero:
+            print(
+                f"RecallProbe: at step {step} of {max_steps} the held-out recall digits are at {digits:.2f} "
+                "(chance about 0.1); every recall_base run that low at step 1950 of 2600 never learned to copy "
+                "(docs/data.md, twenty-first round): another seed is the remedy.",
+                flush=True,
+            )
 
 
 def mean_cosine(vectors: torch.Tensor) -> float:
