@@ -124,8 +124,9 @@ class RecallProbe(L.Callback):
         exact, digits = answer_accuracy(torch.cat(predictions).numpy(), self.windows)
         pl_module.log("val/recall_digits", digits, prog_bar=True)
         pl_module.log("val/recall_exact", exact)
-        if self.digit_ids:
-            pl_module.log("val/digit_similarity", mean_cosine(pl_module.model.embed.weight[self.digit_ids]))
+        embedding = pl_module.model.embed.weight  # (V, C); a sharded FSDP parameter holds no whole rows here
+        if self.digit_ids and embedding.dim() == 2 and embedding.shape[0] > max(self.digit_ids):
+            pl_module.log("val/digit_similarity", mean_cosine(embedding[self.digit_ids]))
         step, max_steps = trainer.global_step, trainer.max_steps
         if 0 < self.warn_after * max_steps <= step and digits < self.warn_below and trainer.is_global_zero:
             print(
