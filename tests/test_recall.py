@@ -23,7 +23,7 @@ from inference import retrieval
 from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
 from tests.helpers import CONFIGS, compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
-from training.callbacks import mean_cosine
+from training.callbacks import RecallProbe, mean_cosine
 from training.optim import OptimConfig
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
@@ -470,8 +470,6 @@ def test_recall_probe_logs_perfect_scores_for_a_model_that_knows_each_next_token
     validation at chance warns."""
     from contextlib import nullcontext
     from types import SimpleNamespace
-
-    from training.callbacks import RecallProbe
 
     text = np.asarray(tok.encode("Upon the heath there stood a crooked tree\n" * 300), dtype=np.int64)
     cfg = RecallConfig.from_options({"fraction": 0.4, "min_pairs": 1, "max_pairs": 2})
