@@ -38,6 +38,8 @@ Design, and why:
   by a word, never the number, as in the passkey's filler.
 - Copy windows (`copy_fraction`, `RecallMixer.copy_window`): spans of text and 5-digit numbers, each
   twice at varying distances, teach the content matching (an induction head) that recall relies on.
+- Counting runs (`counting_share`): a copy window's numbers as runs of consecutive values, so the ten digits
+  stay apart in the embedding before any copy forms; with random values only they fold together first.
 
 Everything is a pure function of (recall seed, batch index), so batches stay resumable.
 """
@@ -91,6 +93,7 @@ FAR_SPAN = 0.1
 DECOY_REPEATS = (2, 8)
 FILLER_STATEMENTS = (1, 3)  # statements per filler block (uniform, inclusive); the passkey's has three
 DECOY_TEMPLATE = TEMPLATES[0][0]  # the shortest fact wording, so repeats fit beside the facts
+COUNTING_RUN = (2, 4)  # consecutive numbers in one counting span (uniform, inclusive)
 MIN_HAYSTACK = 0.25  # decoys are dropped rather than shrink the haystack below this share of the window
 
 
@@ -151,6 +154,12 @@ class RecallConfig:
     # times; a word value after a matching " is" is never the answer, so only the tag's earlier tokens or a
     # number prior tell the needle apart (docs/data.md, sixteenth round). 0 draws nothing.
     filler_share: float = 0.0
+    # Share of copy windows' numbers that are runs of 2-4 consecutive numbers (" 41337 41338 41339"): each
+    # number's digits follow from the previous one's, so a digit's identity pays before any induction head
+    # forms; elsewhere the values are random, and every base first folds the ten digits' embeddings onto one
+    # direction, which the bases that never copy keep (docs/data.md, twenty-first and twenty-second rounds).
+    # 0 draws nothing.
+    counting_share: float = 0.0
 
     @property
     def weighted(self) -> bool:
@@ -288,16 +297,15 @@ class RecallMixer:
         four, consecutive text spans of span[0]..span[1] tokens or (one in two) a random 5-digit value
         like the facts' " 73912", each twice in shuffled order, so a repeat sits at a varying distance
         from its first occurrence. Only content matching (an induction head) predicts a repeat; a fixed
-        distance would teach a positional shortcut that does not transfer, and the numbers make the
-        digits' embeddings tell each other apart, which copying a value needs (docs/data.md)."""
+        distance would teach a positional shortcut that does not transfer. Random numbers alone leave the
+        digits' embeddings folded together until a copy forms, if it does; counting runs (`counting_share`)
+        make a digit's identity pay from the start (docs/data.md, twenty-second round)."""
         n, out, cursor, total = len(haystack), [], 0, 0
         while total < n:
             spans = []
             for _ in range(4):
                 if rng.random() < 0.5:
-                    spans.append(
-                        np.asarray(self.tok.encode(f" {rng.integers(*VALUE_RANGE)}"), dtype=np.int64)
-                    )
+                    spans.append(np.asarray(self.tok.encode(self.numbers(rng)), dtype=np.int64))
                     continue
                 length = int(rng.integers(span[0], span[1] + 1))
                 spans.append(haystack[cursor : cursor + length])
@@ -305,6 +313,15 @@ class RecallMixer:
             out += [spans[i] for i in rng.permutation(np.repeat(np.arange(4), 2))]
             total += 2 * sum(map(len, spans))
         return np.concatenate(out)[:n].astype(np.int64)
+
+    def numbers(self, rng: np.random.Generator) -> str:
+        """A copy window's number span: one random 5-digit value (" 73912"), or with probability
+        `counting_share` a run of COUNTING_RUN consecutive ones (" 73912 73913 73914")."""
+        if not (self.config.counting_share > 0 and rng.random() < self.config.counting_share):
+            return f" {rng.integers(*VALUE_RANGE)}"
+        count = int(rng.integers(COUNTING_RUN[0], COUNTING_RUN[1] + 1))
+        start = int(rng.integers(VALUE_RANGE[0], VALUE_RANGE[1] - count + 1))
+        return "".join(f" {start + i}" for i in range(count))
 
     def flatten(self, haystack: np.ndarray, n: int) -> np.ndarray:
         """The first `n` tokens of `haystack` (n_total,) re-encoded as one line (each run of whitespace with a

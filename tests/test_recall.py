@@ -276,6 +276,33 @@ def test_copy_windows_repeat_text_spans_and_numbers_at_varying_distances(tok):
     assert np.array_equal(mixer.copy_window(np.random.default_rng(0), text), window)
 
 
+def test_counting_share_makes_copy_windows_numbers_runs_of_consecutive_values(tok):
+    """counting_share 1: every number span is 2-4 consecutive 5-digit values, still stated twice; the text
+    spans are drawn as before. 0 keeps the windows of a config without the key (no extra draw)."""
+    text = np.arange(500, 757, dtype=np.int64)  # distinct ids, none a digit or a space
+    plain = RecallMixer(tok, RecallConfig.from_options({"copy_fraction": 1.0}), 257)
+    off = RecallMixer(tok, RecallConfig.from_options({"copy_fraction": 1.0, "counting_share": 0.0}), 257)
+    assert np.array_equal(
+        plain.copy_window(np.random.default_rng(3), text), off.copy_window(np.random.default_rng(3), text)
+    )
+    mixer = RecallMixer(tok, RecallConfig.from_options({"copy_fraction": 1.0, "counting_share": 1.0}), 257)
+    runs = []
+    for seed in range(20):
+        window = mixer.copy_window(np.random.default_rng(seed), text)
+        decoded = tok.decode([t if t not in set(text) else tok.encode("|")[0] for t in window.tolist()])
+        runs += [r.split() for r in re.findall(r"(?: \d{5})+", decoded)[:-1]]  # the last may be cut off
+    segments = []  # adjacent spans read as one: split where a number is not its predecessor + 1
+    for run in runs:
+        values = list(map(int, run))
+        cuts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1] + 1] + [len(values)]
+        segments += [tuple(values[a:b]) for a, b in zip(cuts, cuts[1:])]
+    assert len(segments) > 40 and {len(v) for v in segments} == {2, 3, 4}  # never a lone number
+    twice = np.mean([segments.count(v) >= 2 for v in segments])
+    assert twice > 0.8  # each run is stated twice (unless cut off at the window's end)
+    with pytest.raises(DataError, match="data.recall.counting_share must lie in"):
+        RecallConfig.from_options({"counting_share": 1.5})
+
+
 def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
     config = RecallConfig.from_options({"fraction": 0.25, "copy_fraction": 1.0, "seed": 1})
     mixer = RecallMixer(tok, config, 257)
