@@ -286,10 +286,11 @@ def test_counting_share_makes_copy_windows_numbers_runs_of_consecutive_values(to
         plain.copy_window(np.random.default_rng(3), text), off.copy_window(np.random.default_rng(3), text)
     )
     mixer = RecallMixer(tok, RecallConfig.from_options({"copy_fraction": 1.0, "counting_share": 1.0}), 257)
+    text_ids, bar = set(text.tolist()), tok.encode("|")[0]  # text decodes as "|": numbers stand apart
     runs = []
     for seed in range(20):
         window = mixer.copy_window(np.random.default_rng(seed), text)
-        decoded = tok.decode([t if t not in set(text) else tok.encode("|")[0] for t in window.tolist()])
+        decoded = tok.decode([bar if t in text_ids else t for t in window.tolist()])
         runs += [r.split() for r in re.findall(r"(?: \d{5})+", decoded)[:-1]]  # the last may be cut off
     segments = []  # adjacent spans read as one: split where a number is not its predecessor + 1
     for run in runs:
