@@ -17,15 +17,23 @@ continues from its checkpoints/last.ckpt with ckpt_path=last):
   6. out/summary.md: per corpus, mean and across-seed range per method and length; paired
      comparisons (bootstrap over documents x seeds, or prompts' depths x seeds) marking the
      significant orderings; retrieval accuracy with Wilson 95% intervals; plots beside it.
-Arguments after `--` go to every train.py run (e.g. data=... overrides). docs/extrapolation.md.
+Up to `jobs` steps (default 3) run at once, each with cores / jobs torch threads and its output in
+out/logs/<step>.log (jobs=1: one after another, on the terminal); a line per step says when it starts
+and how long it took. Arguments after `--` go to every train.py run (e.g. data=... overrides).
+docs/extrapolation.md.
 """
 
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +68,8 @@ class StudyConfig:
     # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>); the first seed's base is fine-tuned.
     # Any: OmegaConf 2.3 has no int | list[int] field
     seeds: Any = 3
-    recipe: str | None = None  # experiment= of every trained model (e.g. recall_base); null: default job
+    # experiment= of every trained model: recall_base (models that retrieve, docs/data.md); null: the default job
+    recipe: str | None = "recall_base"
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
     base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
@@ -71,7 +80,10 @@ class StudyConfig:
     retrieval_tasks: list[str] = field(default_factory=lambda: list(TASKS))
     retrieval_lengths: list[int] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
-    threads: int | None = None  # torch threads for the evaluations (null = torch's default)
+    threads: int | None = None  # torch threads for the evaluations (null = torch's default, or cores / jobs)
+    # steps run at once: on the 2-core CPU three one-thread trainings side by side do 1.5x the steps of one
+    # two-thread training (docs/performance.md); a lane's steps (train, then its evaluations) stay in order
+    jobs: int = 3
 
 
 SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.max_steps=20",
@@ -84,17 +96,70 @@ SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hun
 TRAINED = "study_trained"  # marker file in a run directory: its training finished
 
 
-def step(name: str, done: Path, command: list[str], touch_done: bool = False) -> None:
-    """Run one entry point unless `done` exists; a failure stops the study with one sentence.
-    touch_done: `done` is a marker the study writes once the command succeeded (not its output)."""
-    if done.exists():
-        print(f"[study] {name}: done ({done} exists), skipped")
-        return
-    print(f"[study] {name}: {' '.join(command)}", flush=True)
-    if subprocess.run([sys.executable, *command], cwd=ROOT).returncode != 0:
-        raise RuntimeError(f"step {name!r} failed; fix it and re-run the same command to resume.")
-    if touch_done:
-        done.touch()
+class Steps:
+    """Runs the study's steps as subprocesses, up to `jobs` at once (one lane of dependent steps per
+    worker thread). With jobs > 1 each step's output goes to out/logs/<step>.log and its torch threads
+    are the machine's cores / jobs; a failure lets the running steps finish, starts no new one, and is
+    raised by `run_lanes`."""
+
+    def __init__(self, out: Path, jobs: int) -> None:
+        self.out, self.jobs = out, jobs
+        self.stopped = threading.Event()  # a step failed: the others start nothing new
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+
+    def say(self, line: str) -> None:
+        with self.lock:  # one whole line per print, whichever worker prints
+            minutes = (time.monotonic() - self.started) / 60
+            print(f"[study {minutes:5.1f} min] {line}", flush=True)
+
+    def step(self, name: str, done: Path, command: list[str], touch_done: bool = False) -> None:
+        """Run one entry point unless `done` exists; a failure stops the study with one sentence.
+        touch_done: `done` is a marker the study writes once the command succeeded (not its output)."""
+        if done.exists():
+            self.say(f"{name}: done ({done} exists), skipped")
+            return
+        if self.stopped.is_set():
+            raise Cancelled(name)
+        begun = time.monotonic()
+        if self.jobs == 1:
+            self.say(f"{name}: {' '.join(command)}")
+            returncode = subprocess.run([sys.executable, *command], cwd=ROOT).returncode
+            where = ""
+        else:
+            log = self.out / "logs" / (name.replace(" ", "_") + ".log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            threads = str(max(1, (os.cpu_count() or 1) // self.jobs))
+            self.say(f"{name}: started, output in {log}: {' '.join(command)}")
+            with open(log, "w") as f:
+                env = {**os.environ, "OMP_NUM_THREADS": threads}  # jobs processes share the cores
+                returncode = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode  # fmt: skip
+            where = f" (its output: {log})"
+        if returncode != 0:
+            raise RuntimeError(f"step {name!r} failed{where}; fix it and re-run the same command to resume.")
+        if touch_done:
+            done.touch()
+        self.say(f"{name}: finished in {(time.monotonic() - begun) / 60:.1f} min")
+
+    def guarded(self, lane: Callable[[], None]) -> None:
+        try:
+            lane()
+        except BaseException:  # any failure (a step's, or the study's own): no new step starts
+            self.stopped.set()
+            raise
+
+    def run_lanes(self, lanes: list[Callable[[], None]]) -> None:
+        """Run each lane (a function calling `step` in order) on a pool of `jobs` workers, in list
+        order; a lane that needs another's output waits for it, so it must come after that lane.
+        Re-raises the first failure in lane order once every running step has ended."""
+        with ThreadPoolExecutor(self.jobs) as pool:
+            futures = [pool.submit(self.guarded, lane) for lane in lanes]
+        if failures := [e for f in futures if (e := f.exception()) and not isinstance(e, Cancelled)]:
+            raise failures[0]
+
+
+class Cancelled(Exception):
+    """A step not started because another step failed."""
 
 
 def read_csv(path: Path, **extra) -> list[dict]:
@@ -324,6 +389,8 @@ def check_config(cfg: StudyConfig) -> None:
         raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
     if unknown := [t for t in cfg.retrieval_tasks if t not in TASKS]:
         raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {list(TASKS)}.")
+    if not (isinstance(cfg.jobs, int) and cfg.jobs >= 1):
+        raise ValueError(f"jobs must be an integer >= 1 (steps run at once), got {cfg.jobs!r}.")
 
 
 def run(cfg: StudyConfig, train_extra: list[str]) -> None:
@@ -345,52 +412,71 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         names = (*recipe, *names)
         return [f"experiment=[{','.join(names)}]"] if names else []
 
+    steps = Steps(out, cfg.jobs)
+
     def train(name: str, *args: str) -> Path:
         run_dir = out / "runs" / name
         # last.ckpt alone does not mean done (it is also written every 100 steps and on SIGTERM):
         # the study marks a finished training itself, and an interrupted one resumes exactly.
         resume = ["ckpt_path=last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
-        step(f"train {name}", run_dir / TRAINED,
-             ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args, *resume], touch_done=True)  # fmt: skip
+        steps.step(f"train {name}", run_dir / TRAINED,
+                   ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args, *resume], touch_done=True)  # fmt: skip
         return run_dir
 
     def evaluate(name: str, ckpt: Path, methods: str) -> None:
         for corpus in cfg.corpora:
             data = [] if corpus == "own" else [f"data={corpus}"]
-            step(f"eval {name} on {corpus}", out / "eval" / corpus / name / "windows.csv",
-                 ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
-                  f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
-                  *threads, *data])  # fmt: skip
+            steps.step(f"eval {name} on {corpus}", out / "eval" / corpus / name / "windows.csv",
+                       ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
+                        f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
+                        *threads, *data])  # fmt: skip
 
     def retrieve(name: str, ckpt: Path, methods: str) -> None:
         if cfg.retrieval:
             depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
             options = ["task_options.multikey.keys=2", "task_options.vartrack.chains=1"] if cfg.smoke else []
-            step(f"retrieval {name}", out / "retrieval" / name / "trials.csv",
-                 ["scripts/passkey.py", f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
-                  f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
-                  f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip
+            steps.step(f"retrieval {name}", out / "retrieval" / name / "trials.csv",
+                       ["scripts/passkey.py", f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
+                        f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
+                        f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip
 
-    bases = {}
     seeds = seed_list(cfg.seeds)
-    for seed in seeds:
+    bases = {
+        f"base_s{k}": Path(cfg.base_ckpt) if cfg.base_ckpt else out / "runs" / f"base_s{k}" for k in seeds
+    }
+    first_base = f"base_s{seeds[0]}"
+    first_base_ready = threading.Event()  # the fine-tunes start from it
+
+    def base_lane(seed: int) -> None:
         name = f"base_s{seed}"
-        if cfg.base_ckpt:
-            bases[name] = Path(cfg.base_ckpt)
-        else:
-            seeded = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
-            bases[name] = train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeded)
+        try:
+            if not cfg.base_ckpt:
+                seeded = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
+                train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeded)
+        finally:  # also on failure, so the fine-tunes' lanes stop waiting (and then start nothing)
+            if name == first_base:
+                first_base_ready.set()
         evaluate(name, bases[name], ZERO_SHOT)
         retrieve(name, bases[name], RETRIEVAL_METHODS)
-    extended = {}
-    for name, rope in [("pi", []), ("yarn", ["rope=yarn"])]:
-        init = resolve_checkpoint(bases[f"base_s{seeds[0]}"])  # init_from takes a .ckpt file
-        extended[name] = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
-        evaluate(name, extended[name], "[ckpt]")
-        retrieve(name, extended[name], "[ckpt]")
-    large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
-    large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
-    evaluate("large_base", large, "[none]")
+
+    def extend_lane(name: str, *rope: str) -> None:
+        first_base_ready.wait()
+        if steps.stopped.is_set():
+            raise Cancelled(f"train {name}")
+        init = resolve_checkpoint(bases[first_base])  # init_from takes a .ckpt file
+        train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
+        evaluate(name, out / "runs" / name, "[ckpt]")
+        retrieve(name, out / "runs" / name, "[ckpt]")
+
+    def large_base_lane() -> None:
+        large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
+        large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
+        evaluate("large_base", large, "[none]")
+
+    # the fine-tunes' lanes come after the first base's lane: they wait for its training
+    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), lambda: extend_lane("pi"),
+                     lambda: extend_lane("yarn", "rope=yarn"), large_base_lane])  # fmt: skip
+    extended = ["pi", "yarn"]
     summarise(cfg, out, [*bases, *extended, "large_base"], base_len, train_extra, seeds)
 
 

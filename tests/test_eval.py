@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -542,7 +546,7 @@ def test_options_are_refused_before_the_checkpoint_is_loaded(
 def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path, monkeypatch):
     commands = []
 
-    def fake_run(command, cwd):  # records train.py's command line, then "fails" to stop the study
+    def fake_run(command, cwd, **_):  # records train.py's command line, then "fails" to stop the study
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=1)
 
@@ -551,14 +555,12 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
     (base / "checkpoints").mkdir(parents=True)
     (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
     with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path)), [])
+        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
     assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
-    assert "seed=1337" in commands[-1] and not any(
-        c.startswith("experiment=") for c in commands[-1]
-    )  # seed 0, default job
+    assert "seed=1337" in commands[-1] and "experiment=[recall_base]" in commands[-1]  # seed 0, recipe
     (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path)), [])
+        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
 
 
 def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
@@ -566,7 +568,7 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     their composed config must keep the recipe's model (and data) settings and add extend_context's."""
     commands = []
 
-    def fake_run(command, cwd):
+    def fake_run(command, cwd, **_):
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=1)  # stop the study after this step
 
@@ -581,7 +583,7 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     (tmp_path / "retrieval" / "base_s0" / "trials.csv").touch()
     monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base"), [])
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
     overrides = [c for c in commands[-1][2:] if not c.startswith(("hydra.", "init_from="))]
     assert overrides == ["experiment=[recall_base,extend_context]"]
     cfg = compose_train(overrides, tmp_path / "pi")
@@ -595,30 +597,85 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
     PI fine-tune starts from the first seed's base, not from a base_s0 that does not exist."""
     commands = []
 
-    def fake_run(command, cwd):
+    def fake_run(command, cwd, **_):
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=1 if command[1] == "train.py" else 0)
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
     monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train base_s7' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"]), [])
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
     assert commands[-1][-3:] == ["seed=1344", "data.seed=1344", "++data.recall.seed=7"]
     for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
         (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
         (tmp_path / "runs" / f"base_s{seed}" / study.TRAINED).touch()
     commands.clear()
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"]), [])
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
     evaluations = ["scripts/eval_extrapolation.py", "scripts/passkey.py"] * 2  # base_s7's, then base_s3's
     assert [c[1] for c in commands] == [*evaluations, "train.py"]
     assert f"init_from={tmp_path / 'runs' / 'base_s7' / 'last.ckpt'}" in commands[-1]
+
+
+def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(tmp_path, monkeypatch):
+    """jobs=3: never more than three subprocesses at once (and three do overlap), each with the cores / 3
+    threads and its output in out/logs/; every step runs once; the PI and YaRN fine-tunes, whose lanes
+    have workers while base_s0 still trains, start only after that training has ended."""
+    lock, running, events, envs = threading.Lock(), [0], [], []
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+        Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)  # as train.py does
+        with lock:
+            running[0] += 1
+            events.append(("start", command[1], name, running[0]))
+            envs.append((env["OMP_NUM_THREADS"], Path(stdout.name).parent))
+        time.sleep(0.5 if name.endswith("runs/base_s0") else 0.05)  # the first base trains longest
+        with lock:
+            running[0] -= 1
+            events.append(("end", command[1], name, running[0]))
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(study, "summarise", lambda *args: None)  # the fakes write no tables
+    study.run(study.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
+    starts = [e for e in events if e[0] == "start"]
+    assert max(e[3] for e in starts) == 3  # three at once, never four
+    assert (
+        len(starts) == len({(e[1], e[2]) for e in starts}) == 5 + 5 + 4
+    )  # trainings, evaluations, retrievals
+    assert set(envs) == {(str(max(1, (os.cpu_count() or 1) // 3)), tmp_path / "logs")}
+    order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "train.py"]
+    base_end = order.index(("end", "base_s0"))
+    assert base_end < order.index(("start", "pi")) and base_end < order.index(("start", "yarn"))
+
+
+def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_log(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1 if "base_s0" in command[2] else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    log = tmp_path / "logs" / "train_base_s0.log"
+    with pytest.raises(RuntimeError, match=rf"^step 'train base_s0' failed \(its output: {log}\); fix it"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
+    assert [c[1] for c in commands] in (["train.py"], ["train.py"] * 2)  # base_s1's may have started already
+    assert all("base_s" in c[2] for c in commands)  # no fine-tune, large base or evaluation began
 
 
 @pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
 def test_study_rejects_bad_seeds_in_one_sentence(seeds):
     with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):
         study.check_config(study.StudyConfig(seeds=seeds))
+
+
+@pytest.mark.parametrize("jobs", [0, -2, 1.5])
+def test_study_rejects_bad_jobs_in_one_sentence(jobs):
+    with pytest.raises(ValueError, match=r"^jobs must be an integer >= 1 \(steps run at once\), got"):
+        study.check_config(study.StudyConfig(jobs=jobs))
 
 
 @pytest.mark.slow
