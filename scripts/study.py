@@ -81,7 +81,7 @@ class StudyConfig:
     retrieval_lengths: list[int] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
     threads: int | None = None  # torch threads for the evaluations (null = torch's default, or cores / jobs)
-    # steps run at once: on the 2-core CPU three one-thread trainings side by side do 1.5x the steps of one
+    # steps run at once: on the 2-core CPU three one-thread trainings side by side do 1.3x the steps of one
     # two-thread training (docs/performance.md); a lane's steps (train, then its evaluations) stay in order
     jobs: int = 3
 
