@@ -134,7 +134,10 @@ class Steps:
             with open(log, "w") as f:
                 env = {**os.environ, "OMP_NUM_THREADS": threads}  # jobs processes share the cores
                 returncode = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode  # fmt: skip
-            where = f" (its output: {log})"
+            last = log.read_text(errors="replace").replace("\r", "\n").strip().rsplit("\n", 1)[-1]
+            where = (
+                f" ({last.removeprefix('error: ')!r}; its output: {log})" if last else f" (its output: {log})"
+            )
         if returncode != 0:
             raise RuntimeError(f"step {name!r} failed{where}; fix it and re-run the same command to resume.")
         if touch_done:

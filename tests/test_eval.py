@@ -656,11 +656,14 @@ def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_l
 
     def fake_run(command, cwd, stdout, stderr, env):
         commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=1 if "base_s0" in command[2] else 0)
+        fails = "base_s0" in command[2]
+        stdout.write("Epoch 0: 10%\rEpoch 0: 20%\nerror: out of memory\n" if fails else "")
+        return subprocess.CompletedProcess(command, returncode=1 if fails else 0)
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
     log = tmp_path / "logs" / "train_base_s0.log"
-    with pytest.raises(RuntimeError, match=rf"^step 'train base_s0' failed \(its output: {log}\); fix it"):
+    message = rf"^step 'train base_s0' failed \('out of memory'; its output: {log}\); fix it and re-run"
+    with pytest.raises(RuntimeError, match=message):
         study.run(study.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
     assert [c[1] for c in commands] in (["train.py"], ["train.py"] * 2)  # base_s1's may have started already
     assert all("base_s" in c[2] for c in commands)  # no fine-tune, large base or evaluation began

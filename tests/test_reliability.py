@@ -235,8 +235,10 @@ def passkey_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, st
 def study_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
     from scripts import study
 
-    with pytest.raises(SystemExit) as info:  # its first step evaluates base_ckpt in a subprocess
-        study.main([f"out={tmp_path / 'study'}", f"base_ckpt={path}", "seeds=1", "smoke=true"])
+    with pytest.raises(
+        SystemExit
+    ) as info:  # its first step evaluates base_ckpt in a subprocess (on the terminal)
+        study.main([f"out={tmp_path / 'study'}", f"base_ckpt={path}", "seeds=1", "smoke=true", "jobs=1"])
     return info.value.code, capfd.readouterr().err
 
 
