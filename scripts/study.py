@@ -71,7 +71,9 @@ class StudyConfig:
     # experiment= of every trained model: recall_base (models that retrieve, docs/data.md); null: the default job
     recipe: str | None = "recall_base"
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
-    base_ckpt: str | None = None  # reuse one trained base model (run dir or .ckpt) as the only seed
+    # reuse one trained base model (run dir or .ckpt) as the only seed; `recipe` must be what it was trained with
+    # (the fine-tunes start from it with that experiment: recipe=null for a default-job model)
+    base_ckpt: str | None = None
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
     large_base: float = 500000.0
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
