@@ -469,9 +469,9 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         if steps.stopped.is_set():
             raise Cancelled(f"train {name}")
         init = resolve_checkpoint(bases[first_base])  # init_from takes a .ckpt file
-        train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
-        evaluate(name, out / "runs" / name, "[ckpt]")
-        retrieve(name, out / "runs" / name, "[ckpt]")
+        run_dir = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
+        evaluate(name, run_dir, "[ckpt]")
+        retrieve(name, run_dir, "[ckpt]")
 
     def large_base_lane() -> None:
         large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
@@ -481,8 +481,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     # the fine-tunes' lanes come after the first base's lane: they wait for its training
     steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), lambda: extend_lane("pi"),
                      lambda: extend_lane("yarn", "rope=yarn"), large_base_lane])  # fmt: skip
-    extended = ["pi", "yarn"]
-    summarise(cfg, out, [*bases, *extended, "large_base"], base_len, train_extra, seeds)
+    summarise(cfg, out, [*bases, "pi", "yarn", "large_base"], base_len, train_extra, seeds)
 
 
 def summarise(
