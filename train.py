@@ -19,7 +19,7 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from inference.checkpoint import (
     CheckpointError,
@@ -90,6 +90,17 @@ def check_max_steps(max_steps) -> None:
         )
 
 
+def data_parallel_processes(trainer_cfg: DictConfig) -> int | None:
+    """How many processes `trainer_cfg` trains in (devices x num_nodes); None when Lightning decides
+    (devices=auto or -1)."""
+    devices = trainer_cfg.devices
+    if isinstance(devices, int) and devices > 0:
+        return devices * trainer_cfg.num_nodes
+    if isinstance(devices, (list, ListConfig)):
+        return len(devices) * trainer_cfg.num_nodes
+    return None
+
+
 def build_trainer(trainer_cfg: DictConfig, **kwargs) -> L.Trainer:
     """The Lightning Trainer of `trainer_cfg`, with precision=auto resolved for this machine (and said)."""
     precision, why = resolve_precision(trainer_cfg.precision, trainer_cfg.accelerator)
@@ -118,6 +129,8 @@ def setup_run(cfg: DictConfig):
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
 
     datamodule = build(cfg.data)
+    if (processes := data_parallel_processes(cfg.trainer)) is not None:  # else checked when fit starts
+        datamodule.check_world_size(processes)
     datamodule.prepare_data()
     datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
     tokenizer = datamodule.tokenizer

@@ -7,6 +7,10 @@
 Training batches are random windows; batch number i is a pure function of (seed, i), and the DataModule
 counts the batches the Lightning training loop has taken, so `state_dict()` / `load_state_dict()` (stored in
 checkpoints by Lightning) resume the exact batch stream. Validation/test use fixed contiguous windows.
+
+`batch_size` and `val_batch_size` are global: under data parallelism each of the W processes takes its
+1/W of the rows of every batch, so the number of processes changes the speed, not the windows trained on
+or scored (the unweighted loss averaged over the ranks is the one-process batch mean).
 """
 
 from collections.abc import Mapping
@@ -58,6 +62,8 @@ class RandomWindows(IterableDataset):
     An "epoch" is len(self) batches (about one pass over the training tokens). Iteration starts at batch
     `self.consumed` and stops at the end of that epoch. With DataLoader workers, worker w yields batches
     i = w, w + W, ...; the DataLoader interleaves workers round-robin, so the order matches num_workers=0.
+    Process `rank` of `world` data-parallel processes yields rows [rank * B / world, (rank + 1) * B / world)
+    of each batch.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class RandomWindows(IterableDataset):
         self.consumed = (
             0  # batches taken by the training loop; advanced by TextDataModule.on_before_batch_transfer
         )
+        self.rank, self.world = 0, 1  # set by TextDataModule from the trainer (data parallelism)
 
     def __len__(self) -> int:
         return max(1, self.data.n // (self.batch_size * self.max_len))
@@ -78,7 +85,10 @@ class RandomWindows(IterableDataset):
         rng = np.random.default_rng([self.seed, i])
         starts = rng.integers(0, self.data.n - self.max_len, size=self.batch_size)  # last start n-max_len-1
         x, y = _window_pair(self.data.tokens, starts, self.max_len)
-        return (x, y) if self.recall is None else self.recall.mix(i, x, y)
+        # every rank builds the whole batch (its RNG draws are shared) and keeps its rows
+        full = (x, y) if self.recall is None else self.recall.mix(i, x, y)
+        rows = self.batch_size // self.world
+        return tuple(t[self.rank * rows : (self.rank + 1) * rows] for t in full)
 
     def __iter__(self):
         info = get_worker_info()
@@ -90,18 +100,39 @@ class RandomWindows(IterableDataset):
 
 
 class ContiguousWindows(Dataset):
-    """Non-overlapping windows: item k reads tokens k * max_len ... (k + 1) * max_len (inclusive)."""
+    """Non-overlapping windows: window g reads tokens g * max_len ... (g + 1) * max_len (inclusive).
 
-    def __init__(self, data: _TokenFile, max_len: int, max_windows: int | None = None):
+    One process (world=1) reads every window in order. Process `rank` of `world` reads, of each run of
+    `batch_size` consecutive windows (one global batch), its rows [rank * b, (rank + 1) * b), b =
+    batch_size / world: its k-th batch of b is its share of the one-process k-th batch.
+    """
+
+    def __init__(
+        self,
+        data: _TokenFile,
+        max_len: int,
+        max_windows: int | None = None,
+        batch_size: int = 1,
+        rank: int = 0,
+        world: int = 1,
+    ):
         self.data, self.max_len = data, max_len
         n = max(0, (data.n - 1) // max_len)
-        self.n = n if max_windows is None else min(n, max_windows)
+        n = n if max_windows is None else min(n, max_windows)
+        self.batch_size, self.rows, self.rank = batch_size, batch_size // world, rank
+        partial = min(self.rows, max(0, n % batch_size - rank * self.rows))  # its rows of a last, short batch
+        self.n = n // batch_size * self.rows + partial
 
     def __len__(self) -> int:
         return self.n
 
+    def window(self, k: int) -> int:
+        """The global index of this process's k-th window."""
+        return k // self.rows * self.batch_size + self.rank * self.rows + k % self.rows
+
     def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = _window_pair(self.data.tokens, np.array([k * self.max_len]), self.max_len)
+        start = np.array([self.window(k) * self.max_len])
+        x, y = _window_pair(self.data.tokens, start, self.max_len)
         return x[0], y[0]
 
 
@@ -193,6 +224,7 @@ class TextDataModule(L.LightningDataModule):
     # -- dataloaders -------------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
+        self.train_set.rank, self.train_set.world = self._shard()
         return DataLoader(
             self.train_set, batch_size=None, num_workers=self.num_workers
         )  # dataset yields batches
@@ -205,10 +237,29 @@ class TextDataModule(L.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         cap = None if self.val_max_batches is None else self.val_max_batches * self.val_batch_size
-        windows = ContiguousWindows(_TokenFile(self._prepare(), split), self.max_len, cap)
+        rank, world = self._shard()
+        tokens = _TokenFile(self._prepare(), split)
+        windows = ContiguousWindows(tokens, self.max_len, cap, self.val_batch_size, rank, world)
         return DataLoader(
-            windows, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers
+            windows, batch_size=self.val_batch_size // world, shuffle=False, num_workers=self.num_workers
         )
+
+    def _shard(self) -> tuple[int, int]:
+        """(rank, world size) of this process among the data-parallel ones; (0, 1) without a trainer.
+        The trainer configs set use_distributed_sampler=false: this module shards its batches itself."""
+        if self.trainer is None:
+            return 0, 1
+        self.check_world_size(self.trainer.world_size)
+        return self.trainer.global_rank, self.trainer.world_size
+
+    def check_world_size(self, world: int) -> None:
+        """Refuse batch sizes that `world` data-parallel processes cannot split into equal shares."""
+        for name, size in (("batch_size", self.batch_size), ("val_batch_size", self.val_batch_size)):
+            if size % world:
+                raise DataError(
+                    f"data.{name}={size} must be a multiple of the {world} data-parallel processes "
+                    "(trainer.devices x trainer.num_nodes): each process takes an equal share of every batch."
+                )
 
     # -- resumability --------------------------------------------------------------------------------------
     def on_before_batch_transfer(self, batch, dataloader_idx: int):

@@ -436,6 +436,55 @@ def test_val_batch_size_keeps_the_val_windows_when_batch_size_changes(tmp_path):
         _dm(tmp_path, source=source, val_batch_size=0)
 
 
+class _Rank:
+    """Stands in for the Lightning trainer the data module reads its data-parallel rank from."""
+
+    def __init__(self, rank: int, world: int):
+        self.global_rank, self.world_size = rank, world
+
+
+def _as_rank(dm, rank: int, world: int):
+    dm.trainer = _Rank(rank, world)
+    return dm
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_ranks_split_every_batch_into_the_one_process_batch(tmp_path, world):
+    source = _small_source(tmp_path, n_files=12)
+    recall = {"fraction": 0.5, "seed": 3, "min_pairs": 2, "max_pairs": 3, "answer_weight": 5}
+    kw = dict(source=source, max_len=200, batch_size=8, val_batch_size=4, recall=recall)
+    one = _dm(tmp_path, **kw)
+    ranks = [_as_rank(_dm(tmp_path, **kw), r, world) for r in range(world)]
+    # training: rank r's batch i is rows [r * 8 / W, (r + 1) * 8 / W) of the one-process batch i,
+    # recall windows and loss weights included
+    whole = list(islice(iter(one.train_dataloader()), 3))
+    shares = [list(islice(iter(dm.train_dataloader()), 3)) for dm in ranks]
+    for i, batch in enumerate(whole):
+        assert len(batch) == 3 and batch[2].max() == 5  # (inputs, targets, weights) with weighted answers
+        for part, joined in zip(batch, zip(*(share[i] for share in shares))):
+            assert joined[0].shape[0] == 8 // world
+            assert torch.equal(torch.cat(joined), part)
+    # validation: the ranks' k-th batches make the one-process k-th batch, the short last one too
+    val_whole = list(one.val_dataloader())
+    val_shares = [list(dm.val_dataloader()) for dm in ranks]
+    n = sum(len(x) for x, _ in val_whole)
+    assert n % 4 and len(val_whole) >= 2  # the split ends in a short batch
+    assert sum(len(x) for share in val_shares for x, _ in share) == n
+    for k, (x, y) in enumerate(val_whole):
+        parts = [share[k] for share in val_shares if k < len(share)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_one_sentence(tmp_path):
+    dm = _as_rank(_dm(tmp_path, batch_size=6, val_batch_size=4), 0, 4)
+    with pytest.raises(DataError, match=r"data.batch_size=6 must be a multiple of the 4 data-parallel"):
+        dm.train_dataloader()
+    dm = _as_rank(_dm(tmp_path, batch_size=8, val_batch_size=6), 1, 4)
+    with pytest.raises(DataError, match=r"data.val_batch_size=6 must be a multiple of the 4"):
+        dm.val_dataloader()
+
+
 def test_worker_processes_keep_the_batch_order(tmp_path):
     from torch.utils.data import DataLoader
 

@@ -341,23 +341,38 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     assert scalings == {"none", "linear"}
 
 
-@pytest.mark.slow  # two training processes: kept out of the default run, which must stay under 10 minutes
-def test_ddp_on_two_cpu_processes(tmp_path, corpus):
-    run_dir = tmp_path / "ddp"
-    proc = train_cli(
-        "trainer=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        *tiny_overrides(tmp_path, corpus),
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        f"hydra.run.dir={run_dir}",
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "world_size: 2" in proc.stderr + proc.stdout or "GLOBAL_RANK: 1" in proc.stderr + proc.stdout
-    ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
-    assert ckpt["global_step"] == 6
+def _final_val_loss(run_dir: Path) -> float:
+    rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get("val/loss")]
+    return float(rows[-1]["val/loss"])
+
+
+@pytest.mark.slow  # three training processes: kept out of the default run, which must stay under 10 minutes
+def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus):
+    # data.batch_size is the global batch: two processes take half of each batch and average their
+    # gradients, so they train the one-process model (fp32; the sums run in another order) and score
+    # the same validation windows
+    runs = {}
+    for processes in (1, 2):
+        runs[processes] = tmp_path / f"p{processes}"
+        proc = train_cli(
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            f"trainer.devices={processes}",
+            "trainer.precision=32-true",
+            *tiny_overrides(tmp_path, corpus),
+            "trainer.max_steps=6",
+            "trainer.val_check_interval=3",
+            "trainer.limit_val_batches=3",
+            "data.val_batch_size=4",
+            "logger=csv",
+            f"hydra.run.dir={runs[processes]}",
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert safe_load(runs[2] / "checkpoints" / "last.ckpt")["global_step"] == 6
+    one, two = last_weights(runs[1]), last_weights(runs[2])
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    assert _final_val_loss(runs[2]) == pytest.approx(_final_val_loss(runs[1]), rel=1e-5)
 
 
 def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
