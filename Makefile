@@ -53,5 +53,5 @@ bench: setup $(VENV)/.bench-installed $(VENV)/.gguf-installed ## Side-by-side sp
 eval: setup ## Perplexity vs length for every RoPE method; default ARGS="ckpt=runs/default out=runs/eval/default"
 	$(PY) scripts/eval_extrapolation.py $(or $(ARGS),ckpt=runs/default out=runs/eval/default)
 
-study: setup ## The whole extrapolation study (3 retrieving bases, 2 corpora; about 90 minutes on 2 CPU cores, resumable) into runs/study; ARGS="seeds=1 recipe=null base_ckpt=runs/default"
+study: setup ## The whole extrapolation study (3 retrieving bases, 2 corpora; about 90-105 minutes on 2 CPU cores, resumable) into runs/study; ARGS="seeds=1 recipe=null base_ckpt=runs/default"
 	$(PY) scripts/study.py out=runs/study $(ARGS)
