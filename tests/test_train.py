@@ -35,9 +35,9 @@ def run_train(tmp_path: Path, corpus: str, *extra: str, name: str = "run") -> tu
     return train(cfg), run_dir
 
 
-def losses(run_dir: Path) -> list[float]:
+def losses(run_dir: Path, key: str = "train/loss") -> list[float]:
     with open(run_dir / "metrics.csv") as f:
-        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
 
 
 def options(group: str) -> list[str]:
@@ -341,11 +341,6 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     assert scalings == {"none", "linear"}
 
 
-def _final_val_loss(run_dir: Path) -> float:
-    rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get("val/loss")]
-    return float(rows[-1]["val/loss"])
-
-
 @pytest.mark.slow  # three training processes: kept out of the default run, which must stay under 10 minutes
 def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus):
     # data.batch_size is the global batch: two processes take half of each batch and average their
@@ -372,7 +367,7 @@ def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus):
     assert safe_load(runs[2] / "checkpoints" / "last.ckpt")["global_step"] == 6
     one, two = last_weights(runs[1]), last_weights(runs[2])
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
-    assert _final_val_loss(runs[2]) == pytest.approx(_final_val_loss(runs[1]), rel=1e-5)
+    assert losses(runs[2], "val/loss")[-1] == pytest.approx(losses(runs[1], "val/loss")[-1], rel=1e-5)
 
 
 def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
