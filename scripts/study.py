@@ -11,7 +11,8 @@ continues from its checkpoints/last.ckpt with ckpt_path=last):
   2. evaluate every scaling method and attention extension zero-shot on each corpus
      (own = the held-out split of the training data; kjv = the King James Bible's test books)
                                                                    -> out/eval/<corpus>/base_s<k>
-  3. fine-tune base_s0 at 1024 with PI and with YaRN (experiment=extend_context), evaluate their own RoPE
+  3. fine-tune the first `finetune_seeds` bases at 1024 with PI and with YaRN (experiment=extend_context:
+     pi, yarn from the first seed's base, pi_s<k>, yarn_s<k> from seed k's), evaluate their own RoPE
   4. train a model with a larger RoPE base (seed 0), evaluate it with `none`
   5. the retrieval suite (passkey, multi-key, variable tracking) on every base and fine-tuned model
   6. out/summary.md: per corpus, mean and across-seed range per method and length; paired
@@ -65,9 +66,13 @@ class StudyConfig:
     out: str = "runs/study"
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
     # base models: a count n (seeds 0..n-1) or the seeds themselves, e.g. [7,10,11]; seed k trains with
-    # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>); the first seed's base is fine-tuned.
+    # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>).
     # Any: OmegaConf 2.3 has no int | list[int] field
     seeds: Any = 3
+    # the bases of the first N seeds are fine-tuned (PI and YaRN each). One keeps the study near 100 minutes on 2
+    # cores; each more adds two fine-tunes (~15-20 min each) and their evaluations. The first seed's fine-tunes are
+    # named pi and yarn (as in every earlier study, so those resume), seed k's pi_s<k> and yarn_s<k>.
+    finetune_seeds: int = 1
     # experiment= of every trained model: recall_base (models that retrieve, docs/data.md); null: the default job
     recipe: str | None = "recall_base"
     corpora: list[str] = field(default_factory=lambda: ["own", "kjv"])  # own | a data config group
@@ -394,6 +399,13 @@ def check_config(cfg: StudyConfig) -> None:
         raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
     if unknown := [t for t in cfg.retrieval_tasks if t not in TASKS]:
         raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {list(TASKS)}.")
+    if isinstance(cfg.finetune_seeds, bool) or not (
+        isinstance(cfg.finetune_seeds, int) and 0 <= cfg.finetune_seeds <= len(seeds)
+    ):
+        raise ValueError(
+            f"finetune_seeds must be an integer from 0 to the number of seeds ({len(seeds)}), "
+            f"got {cfg.finetune_seeds!r}."
+        )
     if not (isinstance(cfg.jobs, int) and cfg.jobs >= 1):
         raise ValueError(f"jobs must be an integer >= 1 (steps run at once), got {cfg.jobs!r}.")
 
@@ -449,8 +461,14 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     bases = {
         f"base_s{k}": Path(cfg.base_ckpt) if cfg.base_ckpt else out / "runs" / f"base_s{k}" for k in seeds
     }
-    first_base = f"base_s{seeds[0]}"
-    first_base_ready = threading.Event()  # the fine-tunes start from it
+    # set when a base's training ends: its fine-tunes start
+    trained = {name: threading.Event() for name in bases}
+    finetuned = seeds[: cfg.finetune_seeds]
+    finetunes = {  # name -> (base it starts from, RoPE override)
+        f"{method}{'' if k == seeds[0] else f'_s{k}'}": (f"base_s{k}", rope)
+        for k in finetuned
+        for method, rope in (("pi", ()), ("yarn", ("rope=yarn",)))
+    }
 
     def base_lane(seed: int) -> None:
         name = f"base_s{seed}"
@@ -459,16 +477,16 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
                 seeded = [f"seed={1337 + seed}", f"data.seed={1337 + seed}", f"++data.recall.seed={seed}"]
                 train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeded)
         finally:  # also on failure, so the fine-tunes' lanes stop waiting (and then start nothing)
-            if name == first_base:
-                first_base_ready.set()
+            trained[name].set()
         evaluate(name, bases[name], ZERO_SHOT)
         retrieve(name, bases[name], RETRIEVAL_METHODS)
 
-    def extend_lane(name: str, *rope: str) -> None:
-        first_base_ready.wait()
+    def extend_lane(name: str) -> None:
+        base, rope = finetunes[name]
+        trained[base].wait()
         if steps.stopped.is_set():
             raise Cancelled(f"train {name}")
-        init = resolve_checkpoint(bases[first_base])  # init_from takes a .ckpt file
+        init = resolve_checkpoint(bases[base])  # init_from takes a .ckpt file
         run_dir = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
         evaluate(name, run_dir, "[ckpt]")
         retrieve(name, run_dir, "[ckpt]")
@@ -478,18 +496,29 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
         evaluate("large_base", large, "[none]")
 
-    # the fine-tunes' lanes come after the first base's lane: they wait for its training
-    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), lambda: extend_lane("pi"),
-                     lambda: extend_lane("yarn", "rope=yarn"), large_base_lane])  # fmt: skip
-    summarise(cfg, out, [*bases, "pi", "yarn", "large_base"], base_len, train_extra, seeds)
+    # the fine-tunes' lanes come after the bases' lanes: they wait for their base's training
+    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds),
+                     *(lambda name=name: extend_lane(name) for name in finetunes), large_base_lane])  # fmt: skip
+    summarise(cfg, out, [*bases, *finetunes, "large_base"], base_len, train_extra, seeds)
+
+
+def model_and_seed(run_name: str, first_seed: int) -> tuple[str, int]:
+    """The model a study run belongs to and its seed: base_s<k>, pi_s<k>, yarn_s<k> -> (base | pi | yarn, k);
+    pi, yarn -> the first seed's fine-tunes; large_base -> seed 0."""
+    if "_s" in run_name:
+        model, seed = run_name.rsplit("_s", 1)
+        return model, int(seed)
+    return run_name, first_seed if run_name in ("pi", "yarn") else 0
 
 
 def summarise(
     cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str], seeds: list[int]
 ) -> None:
     """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
-    seed_of = lambda m: int(m.rsplit("_s", 1)[1]) if m.startswith("base_s") else 0  # noqa: E731
-    model_of = lambda m: "base" if m.startswith("base_s") else m  # noqa: E731
+    seed_of = lambda m: model_and_seed(m, seeds[0])[1]  # noqa: E731
+    model_of = lambda m: model_and_seed(m, seeds[0])[0]  # noqa: E731
+    finetuned = seeds[: cfg.finetune_seeds]
+    several = "s" if len(finetuned) > 1 else ""
     windows = {
         corpus: [
             w
@@ -501,7 +530,12 @@ def summarise(
     header = (
         f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{len(seeds)} base model(s) trained at "
         f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds {', '.join(map(str, seeds))}); "
-        f"`pi`/`yarn` fine-tuned at 4L from seed {seeds[0]}'s base; `large_base` "
+        + (
+            f"`pi`/`yarn` fine-tuned at 4L from the base{several} of seed{several} {', '.join(map(str, finetuned))}; "
+            if finetuned
+            else "no fine-tunes; "
+        )
+        + "`large_base` "
         + (
             f"reused from {cfg.large_base_ckpt}. "
             if cfg.large_base_ckpt

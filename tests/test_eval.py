@@ -651,6 +651,54 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
     assert base_end < order.index(("start", "pi")) and base_end < order.index(("start", "yarn"))
 
 
+def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_path, monkeypatch):
+    """seeds=[7,3] finetune_seeds=2: PI and YaRN fine-tunes of both bases, the first seed's named pi / yarn
+    and seed 3's pi_s3 / yarn_s3, each from its own base and started only after that base's training
+    ended (base_s3 trains longest here, so a fine-tune that waited for base_s7 alone would start early)."""
+    lock, events, commands = threading.Lock(), [], {}
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+        Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)
+        with lock:
+            events.append(("start", command[1], name.rsplit("/", 1)[-1]))
+            commands[command[1], name.rsplit("/", 1)[-1]] = command
+        time.sleep(0.5 if name.endswith("runs/base_s3") else 0.05)
+        with lock:
+            events.append(("end", command[1], name.rsplit("/", 1)[-1]))
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    summarised = []
+    monkeypatch.setattr(study, "summarise", lambda cfg, out, models, *rest: summarised.append(models))
+    cfg = study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
+    study.run(cfg, [])
+    order = [(e[0], e[2]) for e in events if e[1] == "train.py"]
+    for name, base in (("pi", "base_s7"), ("yarn", "base_s7"), ("pi_s3", "base_s3"), ("yarn_s3", "base_s3")):
+        command = commands["train.py", name]
+        assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
+        assert ("rope=yarn" in command) == name.startswith("yarn")
+        assert order.index(("end", base)) < order.index(("start", name))
+    assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
+    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", "large_base"]]
+
+
+def test_study_names_map_to_model_and_seed():
+    assert study.model_and_seed("base_s3", 7) == ("base", 3)
+    assert study.model_and_seed("yarn_s3", 7) == ("yarn", 3)
+    assert study.model_and_seed("pi", 7) == ("pi", 7)  # the first seed's fine-tune
+    assert study.model_and_seed("large_base", 7) == ("large_base", 0)
+
+
+@pytest.mark.parametrize("finetune_seeds", [-1, 3, 1.5, True])
+def test_study_rejects_bad_finetune_seeds_in_one_sentence(finetune_seeds):
+    with pytest.raises(
+        ValueError, match=r"^finetune_seeds must be an integer from 0 to the number of seeds \(2\)"
+    ):
+        study.check_config(study.StudyConfig(seeds=2, finetune_seeds=finetune_seeds))
+
+
 def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_log(tmp_path, monkeypatch):
     commands = []
 
@@ -683,8 +731,8 @@ def test_study_rejects_bad_jobs_in_one_sentence(jobs):
 
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
-    """~6 minutes on 2 shared cores: five tiny trainings (two seeds), eight evaluations on two corpora
-    and four retrieval runs, each a subprocess."""
+    """~6 minutes on 2 shared cores: seven tiny trainings (two seeds, both fine-tuned), twelve evaluations
+    on two corpora and six retrieval runs, each a subprocess."""
     corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
     data = [
         "data=text_files",
@@ -698,6 +746,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
         f"out={tmp_path / 'study'}",
         "smoke=true",
         "seeds=2",
+        "finetune_seeds=2",
         "threads=1",
         "--",
         *data,
@@ -708,6 +757,8 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     assert all(f"| {m} | " in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
     assert "### own: perplexity" in summary and "### kjv: perplexity" in summary
     assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
+    assert "| yarn/ckpt | 2 | " in summary  # and behind each fine-tune (yarn, yarn_s1)
+    assert (study_dir / "runs" / "yarn_s1" / study.TRAINED).is_file()
     assert "Significant orderings (95%)" in summary and "### vartrack: greedy accuracy" in summary
     for name in (
         "summary.png",
@@ -722,7 +773,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
     assert len(paired) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
-    assert again.stdout.count("skipped") == 19  # resumable: every step's output exists
+    assert again.stdout.count("skipped") == 27  # resumable: every step's output exists
 
 
 def test_study_tables_average_seeds_and_mark_only_significant_orderings():
