@@ -36,8 +36,11 @@ def build(node, **kwargs):
 
 
 def error_sentence(error: BaseException) -> str:
-    """The first line of an error's message (the sentence; torch and Hydra may append detail lines)."""
-    return (str(error).strip().splitlines() or [""])[0]
+    """The first line of an error's message (the sentence; torch and Hydra may append detail lines), led by the
+    option's name where OmegaConf keeps it only in a detail line ("Value '1.5' ... converted to Integer")."""
+    sentence = (str(error).strip().splitlines() or [""])[0]
+    key = getattr(error, "full_key", None) if isinstance(error, OmegaConfBaseException) else None
+    return f"{key}: {sentence}" if key and key not in sentence else sentence
 
 
 def one_sentence_errors(

@@ -92,6 +92,9 @@ ROWS = [
             "extend group must be an integer >= 1 (a group size), got 0.", post="nothing written to out"),
         Row("passkey-extend-group-word", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=fitted", 2,
             "extend_options.group must be an integer >= 1 or `matched`, got 'fitted'.", post="nothing written to out"),
+        # OmegaConf's own refusal of a typed field names the option only in a detail line: the error line leads with it
+        Row("study-finetune-seeds-fraction", STUDY, "out={OUT} finetune_seeds=1.5", 2,
+            "finetune_seeds: Value '1.5' of type 'float' could not be converted to Integer", post="nothing written to out"),
         Row("generate-extend-window-zero", GENERATE, "ckpt={RUN} prompt=ROMEO: extend=self_extend extend.window=0", 2,
             "extend window must be an integer >= 1 (a number of positions), got 0.", post="nothing printed"),
     ),
