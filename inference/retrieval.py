@@ -81,6 +81,22 @@ def answer_correct(generated: str, answer: int) -> bool:
     return first_integer(generated) == answer
 
 
+GREEDY_MISSES = ("prose first", "overrun", "wrong digits")  # greedy_miss's kinds, in the tables' order
+
+
+def greedy_miss(generated: str, answer: int) -> str:
+    """Why a greedy answer is wrong ("" when `answer_correct`): "prose first" = text before any number (the
+    first-token decision, which the first-token margin measures, went to the text); "overrun" = the answer's
+    digits and then more (" 103888." for 10388: the copy found the key but did not stop); "wrong digits" =
+    another number first."""
+    if answer_correct(generated, answer):
+        return ""
+    digits = re.match(r"\d+", generated.lstrip())
+    if digits is None:
+        return "prose first"
+    return "overrun" if digits.group().startswith(str(answer)) else "wrong digits"
+
+
 TASK_OPTIONS = {
     "passkey": {},
     "multikey": {"keys": (1, len(NAMES))},

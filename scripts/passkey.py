@@ -7,6 +7,8 @@ needle and variable tracking (Hsieh et al. 2024); the prompts are inference/retr
 Every prompt hides a 5-digit answer at a given depth of repeated filler text and asks for it. Two
 scores per trial: greedy generation (the first integer in the output must be the answer) and
 likelihood ranking (the answer's continuation must be the most likely of `candidates` random keys).
+A greedy miss is classed (trials.csv's greedy_miss, the tables' miss_* shares): prose before any number,
+the key's digits and then more (an overrun: the copy did not stop), or another number.
 Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per task x method x length
 x depth), accuracy.csv (per task x method x length over all depths, with Wilson 95% intervals),
 <task>_<method>.png (length x depth heatmaps) and <task>_vs_length.png (accuracy vs length per
@@ -34,11 +36,13 @@ from inference.generation import check_integer, generation_bytes
 from inference.loading import load_model
 from inference.memory import check_fits
 from inference.retrieval import (
+    GREEDY_MISSES,
     TASKS,
     RetrievalPrompt,
+    answer_correct,
     build_prompt,
     check_task_options,
-    first_integer,
+    greedy_miss,
     random_keys,
 )
 from inference.stats import wilson_interval
@@ -103,7 +107,8 @@ def answer_prompts(
                 "depth_real": p.depth,
                 "key": p.answer,
                 "answer": answer,
-                "greedy_correct": int(first_integer(answer) == p.answer),
+                "greedy_correct": int(answer_correct(answer, p.answer)),
+                "greedy_miss": greedy_miss(answer, p.answer),
                 "rank_correct": int(rank == 1),
                 "key_rank": rank,
                 "key_logprob": key_logprob,
@@ -114,11 +119,16 @@ def answer_prompts(
     return out_rows
 
 
+def miss_column(kind: str) -> str:
+    """The accuracy tables' column of a greedy miss kind ("prose first" -> "miss_prose_first")."""
+    return "miss_" + kind.replace(" ", "_")
+
+
 def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
     """Greedy and ranking accuracy of the trials grouped by the keys `by` (in first-seen order), with
-    the Wilson 95% interval of the greedy accuracy, and the mean and median first-token margin (how far
-    the answer's first token led the most likely other one, in nats: a continuous view of the greedy
-    score, whose misses are decided by the first token)."""
+    the Wilson 95% interval of the greedy accuracy, the share of each kind of greedy miss (`greedy_miss`),
+    and the mean and median first-token margin (how far the answer's first token led the most likely
+    other one, in nats: a continuous view of the "prose first" misses)."""
     cells: dict[tuple, list[dict]] = {}
     for t in trials:
         cells.setdefault(tuple(t[k] for k in by), []).append(t)
@@ -133,6 +143,10 @@ def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
                 "greedy_acc": correct / len(rows),
                 "greedy_low": low,
                 "greedy_high": high,
+                **{  # the greedy misses by kind: greedy_acc and these add up to 1
+                    miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows)
+                    for kind in GREEDY_MISSES
+                },
                 "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
                 "first_margin_mean": float(np.mean([r["first_margin"] for r in rows])),
                 "first_margin_median": float(np.median([r["first_margin"] for r in rows])),
@@ -286,8 +300,12 @@ def run(cfg: DictConfig) -> list[dict]:
         for method in methods:
             cell_rows = [r for r in cells_table if r["task"] == task and r["method"] == method]
             plot_heatmaps(cell_rows, f"{task}, {method}", chance, out / f"{task}_{method}.png")
+            misses = ", ".join(
+                f"{kind} {np.mean([r[miss_column(kind)] for r in cell_rows]):.0%}" for kind in GREEDY_MISSES
+            )
             print(
-                f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%}, "
+                f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%} "
+                f"(misses: {misses}), "
                 f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells, "
                 f"first-token margin {np.mean([r['first_margin_mean'] for r in cell_rows]):+.2f} nats"
             )

@@ -35,7 +35,7 @@ from inference.evaluation import (
 )
 from inference.generation import GREEDY, check_scoring, generate, score_tokens
 from inference.memory import MemoryBudgetError
-from inference.retrieval import build_prompt, first_integer
+from inference.retrieval import GREEDY_MISSES, build_prompt, first_integer
 from inference.stats import wilson_interval
 from model.config import ModelConfig
 from model.llama import Llama
@@ -450,6 +450,8 @@ def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, ca
     assert len(by_length) == 2 * 2 * 2 and all(r["trials"] == "4" for r in by_length)
     for r in by_length:  # every greedy accuracy sits inside its Wilson interval, which is never empty
         assert float(r["greedy_low"]) <= float(r["greedy_acc"]) <= float(r["greedy_high"])
+        misses = [float(r[passkey.miss_column(kind)]) for kind in GREEDY_MISSES]
+        assert float(r["greedy_acc"]) + sum(misses) == pytest.approx(1.0)  # every trial counted once
         assert float(r["greedy_high"]) - float(r["greedy_low"]) > 0.2  # 4 trials: a wide interval
     for name in ("passkey_yarn", "multikey_none", "passkey_vs_length", "multikey_vs_length"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

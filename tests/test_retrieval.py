@@ -18,6 +18,7 @@ from inference.retrieval import (
     VAR_VALUE,
     answer_correct,
     build_prompt,
+    greedy_miss,
 )
 from tests.helpers import small_corpus
 
@@ -153,3 +154,21 @@ def test_task_options_and_errors(tok):
 )
 def test_greedy_scorer(generated, answer, correct):
     assert answer_correct(generated, answer) is correct
+
+
+@pytest.mark.parametrize(
+    "generated, kind",
+    [
+        (" 71432.", ""),
+        ("The key: 71432, then 5", ""),  # correct by the scorer: the first integer is the key
+        (" 714322.", "overrun"),  # the key, then one digit more
+        ("\n714321", "overrun"),
+        (" 7143", "wrong digits"),  # a prefix of the key is not an overrun
+        (" 12 71432", "wrong digits"),
+        (" the dark road is 71", "prose first"),
+        ("", "prose first"),
+    ],
+)
+def test_greedy_miss_classes_every_wrong_answer(generated, kind):
+    assert greedy_miss(generated, 71432) == kind
+    assert (kind == "") == answer_correct(generated, 71432)
