@@ -47,11 +47,11 @@ from omegaconf import OmegaConf
 
 from inference.checkpoint import resolve_checkpoint
 from inference.cli import USER_ERRORS, one_sentence_errors
-from inference.retrieval import TASKS
+from inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
 from inference.stats import pairwise_markdown, pairwise_table, wilson_interval
 from scripts.common import ROOT, write_csv
 from scripts.eval_extrapolation import fmt
-from scripts.passkey import plot_vs_length
+from scripts.passkey import miss_column, plot_vs_length
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -270,9 +270,13 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
     -> (accuracy rows, paired rows, markdown)."""
     has_margin = all(MARGIN_COLUMN in t for t in trials)
+    # each greedy miss's kind from the answer itself, so studies scored before passkey.py wrote it get it too
+    # (read_csv may have parsed an all-digit answer as a number: its digits are what greedy_miss reads)
+    has_answers = all("answer" in t and "key" in t for t in trials)
+    misses = [greedy_miss(str(t["answer"]), int(t["key"])) if has_answers else "" for t in trials]
     cells = defaultdict(list)
-    for t in trials:
-        cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t)
+    for t, miss in zip(trials, misses):
+        cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t | {"greedy_miss": miss})
     accuracy = []
     for (task, method, length), rows in cells.items():
         seeds = len({r["seed"] for r in rows})
@@ -287,9 +291,13 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
             seed_margin = seed_means(rows, MARGIN_COLUMN)
             row |= {"margin_mean": float(np.mean([r[MARGIN_COLUMN] for r in rows])),
                     "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
+        row |= {
+            miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows)
+            for kind in GREEDY_MISSES
+        }
         accuracy.append(row)
     text, paired = [], []
-    base_only = [t for t in trials if t["model"].startswith("base")]  # fine-tunes, large base: one seed each
+    base_only = [t for t in trials if t["model"].startswith("base")]  # paired: the base models' methods
     base_seeds = sorted({t["seed"] for t in base_only})
     base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
     for t in base_only:
@@ -320,6 +328,15 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     text.append(f"| {method} | " + " | ".join(
                         " / ".join(f"{a:.0%}" for a in seed_means(cells[task, method, t], column))
                         if (task, method, t) in cells else "—" for t in lengths) + " |")  # fmt: skip
+            if name == "greedy" and has_answers:
+                # why the greedy answers miss: the first token went to prose, the copy did not stop, or other digits
+                text += [f"\n### {task}: greedy misses by kind ({' / '.join(GREEDY_MISSES)}), pooled over seeds\n",
+                         *table_head(lengths)]  # fmt: skip
+                for method in dict.fromkeys(r["method"] for r in sel):
+                    cell = {r["length"]: r for r in sel if r["method"] == method}
+                    text.append(f"| {method} | " + " | ".join(
+                        " / ".join(f"{cell[t][miss_column(kind)]:.0%}" for kind in GREEDY_MISSES)
+                        if t in cell else "—" for t in lengths) + " |")  # fmt: skip
             for length in lengths:
                 by_method = defaultdict(dict)
                 for t in base_trials[task, length]:
