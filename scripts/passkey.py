@@ -124,6 +124,13 @@ def miss_column(kind: str) -> str:
     return "miss_" + kind.replace(" ", "_")
 
 
+def miss_shares(rows: list[dict]) -> dict[str, float]:
+    """Each greedy miss kind's share of the trials `rows` (their `greedy_miss`): with the greedy accuracy they add up to 1."""
+    return {
+        miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows) for kind in GREEDY_MISSES
+    }
+
+
 def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
     """Greedy and ranking accuracy of the trials grouped by the keys `by` (in first-seen order), with
     the Wilson 95% interval of the greedy accuracy, the share of each kind of greedy miss (`greedy_miss`),
@@ -143,10 +150,7 @@ def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
                 "greedy_acc": correct / len(rows),
                 "greedy_low": low,
                 "greedy_high": high,
-                **{  # the greedy misses by kind: greedy_acc and these add up to 1
-                    miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows)
-                    for kind in GREEDY_MISSES
-                },
+                **miss_shares(rows),
                 "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
                 "first_margin_mean": float(np.mean([r["first_margin"] for r in rows])),
                 "first_margin_median": float(np.median([r["first_margin"] for r in rows])),

@@ -51,7 +51,7 @@ from inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
 from inference.stats import pairwise_markdown, pairwise_table, wilson_interval
 from scripts.common import ROOT, write_csv
 from scripts.eval_extrapolation import fmt
-from scripts.passkey import miss_column, plot_vs_length
+from scripts.passkey import miss_column, miss_shares, plot_vs_length
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -291,10 +291,8 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
             seed_margin = seed_means(rows, MARGIN_COLUMN)
             row |= {"margin_mean": float(np.mean([r[MARGIN_COLUMN] for r in rows])),
                     "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
-        row |= {
-            miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows)
-            for kind in GREEDY_MISSES
-        }
+        if has_answers:
+            row |= miss_shares(rows)
         accuracy.append(row)
     text, paired = [], []
     base_only = [t for t in trials if t["model"].startswith("base")]  # paired: the base models' methods

@@ -834,6 +834,7 @@ def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
     assert "(ranking), base models, T = 512: significant orderings (95%): none" in text
     assert "| base/yarn | 100% [" in text and "### passkey: ranking accuracy" in text
     assert "margin" not in text and "margin_mean" not in none  # trials.csv files without the margin column
+    assert "greedy misses" not in text and "miss_overrun" not in none  # nor answers: no miss kinds guessed
     assert "| base/none | 20% / 20% |" in text  # the per-seed table: trial 0 of 5 per depth on each seed
 
 
