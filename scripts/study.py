@@ -530,16 +530,13 @@ def summarise(
     cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str], seeds: list[int]
 ) -> None:
     """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
-    seed_of = lambda m: model_and_seed(m, seeds[0])[1]  # noqa: E731
-    model_of = lambda m: model_and_seed(m, seeds[0])[0]  # noqa: E731
+    columns = {
+        m: dict(zip(("model", "seed"), model_and_seed(m, seeds[0]))) for m in models
+    }  # added to each row
     finetuned = seeds[: cfg.finetune_seeds]
     several = "s" if len(finetuned) > 1 else ""
     windows = {
-        corpus: [
-            w
-            for m in models
-            for w in read_csv(out / "eval" / corpus / m / "windows.csv", model=model_of(m), seed=seed_of(m))
-        ]
+        corpus: [w for m in models for w in read_csv(out / "eval" / corpus / m / "windows.csv", **columns[m])]
         for corpus in cfg.corpora
     }
     header = (
@@ -574,7 +571,7 @@ def summarise(
             t
             for m in models
             if (out / "retrieval" / m / "trials.csv").exists()
-            for t in read_csv(out / "retrieval" / m / "trials.csv", model=model_of(m), seed=seed_of(m))
+            for t in read_csv(out / "retrieval" / m / "trials.csv", **columns[m])
         ]
         accuracy, paired_retrieval, md = retrieval_tables(trials)
         write_csv(out / "retrieval.csv", accuracy)
