@@ -530,9 +530,8 @@ def summarise(
     cfg: StudyConfig, out: Path, models: list[str], base_len: int, train_extra: list[str], seeds: list[int]
 ) -> None:
     """out/summary.md, paired_ppl.csv, retrieval.csv, paired_retrieval.csv and the plots."""
-    columns = {
-        m: dict(zip(("model", "seed"), model_and_seed(m, seeds[0]))) for m in models
-    }  # added to each row
+    # the model and seed columns each run's CSV rows get
+    columns = {m: dict(zip(("model", "seed"), model_and_seed(m, seeds[0]))) for m in models}
     finetuned = seeds[: cfg.finetune_seeds]
     several = "s" if len(finetuned) > 1 else ""
     windows = {
