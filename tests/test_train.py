@@ -341,8 +341,20 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
     assert scalings == {"none", "linear"}
 
 
-@pytest.mark.slow  # three training processes: kept out of the default run, which must stay under 10 minutes
-def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus):
+# Recall windows with weighted answers: the halves of a batch carry different sums of weights, so the
+# processes' weighted means must be combined by their shares of the weight, not averaged.
+WEIGHTED_RECALL = [
+    "data.max_len=256",  # room for the facts and question of a recall window in the tiny tokenizer's tokens
+    "++data.recall.fraction=0.5",
+    "++data.recall.min_pairs=1",
+    "++data.recall.max_pairs=2",
+    "++data.recall.answer_weight=8",
+]
+
+
+@pytest.mark.slow  # three training processes each: kept out of the default run, which must stay under 10 minutes
+@pytest.mark.parametrize("data", [[], WEIGHTED_RECALL], ids=["text", "weighted_recall"])
+def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus, data):
     # data.batch_size is the global batch: two processes take half of each batch and average their
     # gradients, so they train the one-process model (fp32; the sums run in another order) and score
     # the same validation windows
@@ -361,6 +373,7 @@ def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus):
             "data.val_batch_size=4",
             "logger=csv",
             f"hydra.run.dir={runs[processes]}",
+            *data,
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

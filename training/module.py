@@ -78,7 +78,21 @@ class LitLlama(L.LightningModule):
             )
         self._log_throughput(batch[0].numel())
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        return loss
+        return loss * self._weight_share(batch)
+
+    def _weight_share(self, batch) -> torch.Tensor | float:
+        """W * (this process's sum of target weights) / (the sum over all W processes), or 1 unweighted.
+
+        Data parallelism averages the processes' gradients; each process's weighted mean scaled by its
+        share of the weight makes that average the weighted mean of the whole batch, sum(w * ce) / sum(w),
+        as one process computes it. Unweighted, every process has the same number of targets: the plain
+        average is already the batch mean."""
+        world = self.trainer.world_size
+        if len(batch) < 3 or world == 1:
+            return 1.0
+        local = batch[2].sum(dtype=torch.float32)
+        total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")  # all_reduce works in place
+        return local * world / total
 
     def _log_throughput(self, tokens: int) -> None:
         self._tokens_since += tokens
