@@ -12,7 +12,7 @@ Module kernels (installed by `use_kernels`; training switches them with `kernels
     nn.RMSNorm                rms_norm.KernelRMSNorm       memory passes of the composite backward
     SwiGLU: silu(gate) * up   swiglu.KernelSwiGLU          the `cat` in the activation's backward
     LMHead.loss               loss.KernelLMHead            the (tokens, vocab) logits and their gradient
-    Attention.attend          attention.KernelAttention    CPU bf16 flash backward, slower than fp32's
+    Attention.attend          attention.KernelAttention    CPU bf16 flash backward, slower than fp32's (compiled too)
 
 `use_kernels` swaps each module's class for its kernel subclass, which only overrides how the
 module computes (no __init__, no state of its own). Parameters, buffers, weight ties, devices and

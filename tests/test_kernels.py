@@ -279,6 +279,24 @@ def test_attention_kernel_equals_plain_and_upcasts_only_a_bf16_backward(mask):
     assert torch.equal(kernel.attend(*x, *args), plain.attend(*x, *args))
 
 
+@pytest.mark.parametrize("grad, dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_attention_kernel_upcasts_a_compiled_bf16_backward_too(grad, dtype):
+    """Under torch.compile the flash op is still PyTorch's, in the dtype it is given: the graph dynamo
+    traces from a bf16 training call must run it in float32, and a call without autograd in bf16."""
+    kernel = use_kernels(tiny()).blocks[0].attn
+    seen = []
+
+    def record(gm, example_inputs):  # a dynamo backend: note the attention op's dtype, run the graph
+        sdpa = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+        seen.extend(n.meta["example_value"].dtype for n in sdpa)
+        return gm
+
+    q, k, v = (torch.randn(2, h, 12, 16, dtype=torch.bfloat16, requires_grad=grad) for h in (4, 2, 2))
+    torch._dynamo.reset()
+    torch.compile(lambda *t: kernel.attend(*t, None, True, 0.0), backend=record, fullgraph=True)(q, k, v)
+    assert seen == [dtype]
+
+
 # ----------------------------------------------------------------------------- use_kernels
 
 

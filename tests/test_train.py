@@ -383,6 +383,24 @@ def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus, data):
     assert losses(runs[2], "val/loss")[-1] == pytest.approx(losses(runs[1], "val/loss")[-1], rel=1e-5)
 
 
+@pytest.mark.slow  # compiles the training step (about a minute on 2 cores with a cold inductor cache)
+def test_compiled_training_trains_the_eager_model(tmp_path, corpus):
+    # compile=true compiles the model in place (configure_model): same parameters and checkpoint keys,
+    # and in fp32 the same weights as the eager run to rounding (inductor fuses the ops in another order)
+    common = [
+        "trainer.precision=32-true",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "logger=csv",
+    ]
+    _, eager = run_train(tmp_path, corpus, *common, name="eager")
+    _, compiled = run_train(tmp_path, corpus, *common, "compile=true", name="compiled")
+    one, two = last_weights(eager), last_weights(compiled)
+    assert one.keys() == two.keys()
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    assert losses(compiled, "val/loss")[-1] == pytest.approx(losses(eager, "val/loss")[-1], rel=1e-4)
+
+
 def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):
     (tmp_path / "metrics.csv").write_text("step,train/loss\n1,5.0\n")
     csv_logger(tmp_path)
