@@ -31,6 +31,7 @@ from inference.checkpoint import (
 )
 from inference.cli import USER_ERRORS, build, one_sentence_errors
 from training.callbacks import AtomicCheckpointIO, NewRunDirectories
+from training.compile import resolve_compile
 from training.loggers import finish_wandb
 from training.module import LitLlama, NonFiniteLossError
 from training.precision import resolve_precision
@@ -119,6 +120,10 @@ def setup_run(cfg: DictConfig):
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # stderr is for errors only
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_max_steps(cfg.trainer.max_steps)
+    trainer_cfg = cfg.trainer  # compile=auto follows the precision, device and length of the run
+    compile_blocks, why = resolve_compile(
+        cfg.compile, trainer_cfg.precision, trainer_cfg.accelerator, trainer_cfg.max_steps
+    )
     optim = build(cfg.optim)
     model_config = build(cfg.model)  # shape and RoPE errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
@@ -141,7 +146,7 @@ def setup_run(cfg: DictConfig):
         model_config,
         optim,
         max_steps=cfg.trainer.max_steps,
-        compile=cfg.compile,
+        compile=compile_blocks,
         kernels=cfg.kernels,
         tokenizer=tokenizer,
         train_max_len=cfg.data.max_len,
@@ -173,6 +178,7 @@ def setup_run(cfg: DictConfig):
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
+    print(f"Compile: {'the blocks' if compile_blocks else 'off'} ({why})")
     for logger in trainer.loggers:  # the composed config beside the metrics (wandb's run page, hparams.yaml)
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return run_dir, datamodule, module, trainer, ckpt_path

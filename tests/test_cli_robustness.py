@@ -72,6 +72,8 @@ ROWS = [
         Row("train-max-steps-negative", TRAIN, "{TINY} trainer.max_steps=-1", 2,
             "trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got -1.",
             post="no run dir"),
+        Row("train-compile-not-a-choice", TRAIN, "{TINY} compile=yes", 2,
+            "compile must be true, false or auto, got 'yes'.", post="no run dir"),
         Row("train-batch-not-split-over-processes", TRAIN,
             "{TINY} trainer=ddp trainer.accelerator=cpu trainer.devices=2 data.batch_size=3", 2,
             "data.batch_size=3 must be a multiple of the 2 data-parallel processes", post="no run dir"),

@@ -54,14 +54,17 @@ class TextSample(L.Callback):
         prompt = [self.tokenizer.bos_id, *self.tokenizer.encode(self.prompt)]
         was_training = pl_module.training
         pl_module.eval()
-        out = generate(
-            pl_module.model,
-            [prompt],
-            self.max_new_tokens,
-            SamplingConfig(temperature=self.temperature, top_k=self.top_k),
-            eos_id=self.tokenizer.eos_id,
-            seed=0,  # the same draw at every validation, so samples are comparable
-        )
+        # Eager under compile=true: a KV-cache decode has other shapes and arguments than the compiled
+        # training and validation steps, and would recompile the blocks for every layer and length.
+        with torch.compiler.set_stance("force_eager"):
+            out = generate(
+                pl_module.model,
+                [prompt],
+                self.max_new_tokens,
+                SamplingConfig(temperature=self.temperature, top_k=self.top_k),
+                eos_id=self.tokenizer.eos_id,
+                seed=0,  # the same draw at every validation, so samples are comparable
+            )
         pl_module.train(was_training)
         text = self.prompt + self.tokenizer.decode(out.tokens[0])
         step = trainer.global_step
