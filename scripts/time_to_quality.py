@@ -8,6 +8,8 @@ Each recipe is `<optim>-<precision>` (optim: adamw | muon; precision: fp32 | bf1
 first validation at or below a threshold gives its training seconds (`time/train_s`, logged by the
 LightningModule from the start of fit), its step and its tokens; `total_s` is the whole command, from
 process start (imports, data preparation, the final checkpoint) to exit. Run it on a quiet machine.
+Every recipe keeps train.py's `compile=auto`, so the bf16 recipes of 500+ steps compile their blocks (the
+cold compile counts in their seconds); `extra=[compile=false]` times them eager.
 """
 
 from __future__ import annotations
