@@ -34,7 +34,8 @@ def test_auto_compiles_a_long_bf16_cpu_run(amx_cpu_with_compiler):
     "precision, accelerator, steps, reason",
     [
         ("auto", "cpu", LONG - 1, f"{LONG - 1} steps do not earn back compiling"),
-        ("32-true", "cpu", LONG, "in fp32"),
+        ("32-true", "cpu", LONG, "bf16-mixed runs only, not 32-true"),
+        ("16-mixed", "cpu", LONG, "bf16-mixed runs only, not 16-mixed"),
         ("bf16-mixed", "gpu", LONG, "on CPUs only"),
     ],
 )
