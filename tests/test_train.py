@@ -385,7 +385,7 @@ def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus, data):
 
 @pytest.mark.slow  # compiles the training step (about a minute on 2 cores with a cold inductor cache)
 def test_compiled_training_trains_the_eager_model(tmp_path, corpus):
-    # compile=true compiles the model in place (configure_model): same parameters and checkpoint keys,
+    # compile=true compiles each block in place (configure_model): same parameters and checkpoint keys,
     # and in fp32 the same weights as the eager run to rounding (inductor fuses the ops in another order)
     common = [
         "trainer.precision=32-true",

@@ -29,7 +29,9 @@ def cxx_compiler() -> str | None:
     return None
 
 
-def resolve_compile(requested, precision: str | int, accelerator: str, max_steps: int) -> tuple[bool, str]:
+def resolve_compile(
+    requested: bool | str, precision: str | int, accelerator: str, max_steps: int
+) -> tuple[bool, str]:
     """(compile the blocks?, the reason in words) for the `compile` setting of a run.
 
     precision and accelerator: the trainer's settings (precision may be `auto`); max_steps: the run's length.
