@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.autograd import backward_follows
 from model.llama import Attention
 
 
@@ -19,8 +20,7 @@ class KernelAttention(Attention):
     """Attention whose `attend` upcasts bf16 CPU inputs when a backward follows: same state dict."""
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # compiled too
-        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not backward:
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not backward_follows(q, k, v):
             return super().attend(q, k, v, mask, is_causal, dropout_p)
         with torch.autocast("cpu", enabled=False):
             y = super().attend(q.float(), k.float(), v.float(), mask, is_causal, dropout_p)
