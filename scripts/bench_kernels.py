@@ -1,14 +1,18 @@
-"""One training step with kernels on against off (kernels/; `kernels: true|false` in configs/train.yaml).
+"""One training step, two ways: kernels on against off (`kernels: true|false` in configs/train.yaml), or
+the transformer blocks compiled against eager (`compile: true|false`).
 
     python scripts/bench_kernels.py               # model=small, batch 16 x 256, fp32 and bf16 autocast
     python scripts/bench_kernels.py repeats=15 threads=1 shape=tiny
+    python scripts/bench_kernels.py compare=compile precisions=[fp32]
 
-A step is forward + fused-or-plain loss + backward + fused AdamW, eager, as train.py runs it. One model
-and one optimizer serve both settings: `use_kernels` swaps the modules' classes between calls, so
-the only difference is the kernels. Calls alternate (off, on, off, on, ...) after a warm-up, and
-each repeat's on/off ratio is taken from adjacent calls, so a busy machine slows both alike; the
-table gives medians and the quartiles of the ratios. Speed-up = time off / time on: > 1 means the
-kernels are faster. On a shared machine, threads=1 keeps one descheduled thread from stalling the other.
+A step is forward + fused-or-plain loss + backward + fused AdamW, as train.py runs it. compare=kernels:
+one model and one optimizer serve both settings (`use_kernels` swaps the modules' classes between calls),
+so the only difference is the kernels. compare=compile: two models from the same seed, one with its blocks
+compiled in place as LitLlama.configure_model does (kernels on in both); the warm-up calls hold the
+compile. Calls alternate (off, on, off, on, ...) after a warm-up, and each repeat's ratio is taken from
+adjacent calls, so a busy machine slows both alike; the table gives medians and the quartiles of the
+ratios. Speed-up = time off / time on: > 1 means the kernels (or the compiled blocks) are faster. On a
+shared machine, threads=1 keeps one descheduled thread from stalling the other.
 """
 
 from __future__ import annotations
@@ -29,16 +33,32 @@ from kernels import use_kernels
 from model.llama import Llama
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = dict(shape="small", vocab=4096, batch=16, seq_len=256, repeats=9, warmup=2, seed=0, threads=None)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast, as trainer.precision=bf16-mixed
+COMPARISONS = {"kernels": ("kernels off", "kernels on"), "compile": ("eager", "blocks compiled")}
+DEFAULTS = dict(
+    compare="kernels",
+    precisions=list(PRECISIONS),
+    shape="small",
+    vocab=4096,
+    batch=16,
+    seq_len=256,
+    repeats=9,
+    warmup=2,
+    seed=0,
+    threads=None,
+)
 
 
-def training_step(args: dict, precision: str):
-    """A closure running one eager training step of a fresh model=<shape> in `precision`, and the model."""
+def training_step(args: dict, precision: str, compiled: bool = False):
+    """A closure running one training step of a fresh model=<shape> in `precision`, and the model;
+    compiled: its blocks compiled in place first (compile=true)."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={args['shape']}", f"data.max_len={args['seq_len']}"])
     torch.manual_seed(args["seed"])
     model = Llama(build(cfg.model, vocab_size=args["vocab"])).train()
+    if compiled:
+        for block in model.blocks:
+            block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(args["vocab"], (args["batch"], args["seq_len"] + 1))
     dtype = PRECISIONS[precision]
@@ -53,37 +73,66 @@ def training_step(args: dict, precision: str):
     return step, model
 
 
+def contenders(args: dict, precision: str) -> dict:
+    """{False: the baseline step, True: the candidate step} of args['compare']."""
+    if args["compare"] == "compile":
+        return {compiled: training_step(args, precision, compiled)[0] for compiled in (False, True)}
+    step, model = training_step(args, precision)
+
+    def with_kernels(enabled: bool):
+        def run():
+            use_kernels(model, enabled)
+            step()
+
+        return run
+
+    return {enabled: with_kernels(enabled) for enabled in (False, True)}
+
+
 def timed(step) -> float:
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
 
 
-def main(argv: list[str]) -> None:
+def parse(argv: list[str]) -> dict:
+    """The options of `argv` (key=value) over DEFAULTS; one sentence for an unknown key or value."""
     given = OmegaConf.to_container(OmegaConf.from_dotlist(argv)) if argv else {}
     unknown = sorted(set(given) - set(DEFAULTS))
     if unknown:
         raise SystemExit(f"error: unknown arguments {unknown}; allowed are {sorted(DEFAULTS)}.")
     args = {**DEFAULTS, **given}
+    if args["compare"] not in COMPARISONS:
+        raise SystemExit(f"error: compare must be one of {sorted(COMPARISONS)}, got {args['compare']!r}.")
+    precisions = args["precisions"]
+    if not isinstance(precisions, list) or not precisions or not set(precisions) <= set(PRECISIONS):
+        raise SystemExit(
+            f"error: precisions must be a non-empty list of {list(PRECISIONS)}, got {precisions!r}."
+        )
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
     if args["threads"]:
         torch.set_num_threads(args["threads"])
+    off_name, on_name = COMPARISONS[args["compare"]]
     print(
         f"model={args['shape']}, batch {args['batch']} x {args['seq_len']}, "
         f"{torch.get_num_threads()} threads, medians of {args['repeats']} alternated repeats\n"
     )
     print(
-        "| precision | kernels off (s/step) | kernels on (s/step) | speed-up: per-repeat ratios, median (quartiles) |"
+        f"| precision | {off_name} (s/step) | {on_name} (s/step) | speed-up: per-repeat ratios, median (quartiles) |"
     )
     print("|---|---|---|---|")
-    for precision in PRECISIONS:
-        step, model = training_step(args, precision)
+    for precision in args["precisions"]:
+        steps = contenders(args, precision)
         times = {False: [], True: []}
         for repeat in range(args["warmup"] + args["repeats"]):
-            for enabled in (False, True) if repeat % 2 else (True, False):  # alternate which goes first
-                use_kernels(model, enabled)
-                seconds = timed(step)
+            for candidate in (False, True) if repeat % 2 else (True, False):  # alternate which goes first
+                seconds = timed(steps[candidate])
                 if repeat >= args["warmup"]:
-                    times[enabled].append(seconds)
+                    times[candidate].append(seconds)
         ratios = [off / on for off, on in zip(times[False], times[True])]
         low, median, high = statistics.quantiles(ratios, n=4)
         off, on = statistics.median(times[False]), statistics.median(times[True])

@@ -6,6 +6,7 @@ float32 (atol 1e-5, rtol 1e-5: float32 rounding of a different operation order) 
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -359,10 +360,41 @@ def test_model_package_never_imports_kernels():
             assert not any(n == "kernels" or n.startswith("kernels.") for n in names), path.name
 
 
+TINY_BENCH = ["shape=tiny", "vocab=64", "batch=2", "seq_len=16", "repeats=2"]
+
+
 def test_bench_kernels_smoke(capsys):
     """scripts/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
     from scripts.bench_kernels import main
 
-    main(["shape=tiny", "vocab=64", "batch=2", "seq_len=16", "repeats=2", "warmup=0"])
+    main([*TINY_BENCH, "warmup=0"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| fp32", "| bf16"))]
     assert len(rows) == 2 and all(row.count("x (") == 1 for row in rows)
+
+
+@pytest.mark.slow
+def test_bench_kernels_compares_compiled_blocks(capsys):
+    """compare=compile times a model with its blocks compiled beside an eager one, in the precisions asked."""
+    from scripts.bench_kernels import main
+
+    main(["compare=compile", "precisions=[fp32]", *TINY_BENCH])
+    out = capsys.readouterr().out
+    assert "| eager (s/step) | blocks compiled (s/step) |" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| fp32", "| bf16"))]
+    assert len(rows) == 1 and rows[0].startswith("| fp32") and rows[0].count("x (") == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare=speed"], "compare must be one of ['compile', 'kernels'], got 'speed'."),
+        (["precisions=[fp16]"], "precisions must be a non-empty list of ['fp32', 'bf16'], got ['fp16']."),
+        (["precisions=fp32"], "precisions must be a non-empty list of ['fp32', 'bf16'], got 'fp32'."),
+        (["steps=3"], "unknown arguments ['steps']"),
+    ],
+)
+def test_bench_kernels_refuses_bad_options(argv, message):
+    from scripts.bench_kernels import parse
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        parse(argv)
