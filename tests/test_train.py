@@ -394,7 +394,7 @@ def test_compiled_training_trains_the_eager_model(tmp_path, corpus):
         "logger=csv",
     ]
     _, eager = run_train(tmp_path, corpus, *common, name="eager")
-    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # count this run's graphs only
     _, compiled = run_train(tmp_path, corpus, *common, "compile=true", name="compiled")
     # one graph for the training step and one for validation (no_grad): the text sample's KV-cache decode
     # runs eager instead of recompiling the blocks for every layer and length
@@ -403,6 +403,25 @@ def test_compiled_training_trains_the_eager_model(tmp_path, corpus):
     assert one.keys() == two.keys()
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
     assert losses(compiled, "val/loss")[-1] == pytest.approx(losses(eager, "val/loss")[-1], rel=1e-4)
+
+
+@pytest.mark.slow  # compiles the training step twice
+def test_each_compiled_run_of_a_sweep_is_compiled(tmp_path, corpus):
+    """A sweep (train.py -m) trains its settings one after another in one process, and a new head count
+    is two new graphs (training, validation) for the same block code: without a fresh dynamo cache per
+    run, the runs past dynamo's recompile limit (8 graphs, so the fifth architecture) would train eager.
+    Here the limit is the two graphs of one run, and hitting it is an error."""
+    common = [
+        "trainer.precision=32-true",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "compile=true",
+    ]
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        run_train(tmp_path, corpus, *common, name="four_heads")
+        torch._dynamo.utils.counters.clear()
+        run_train(tmp_path, corpus, *common, "model.n_heads=2", "model.n_kv_heads=1", name="two_heads")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_resumed_run_keeps_the_earlier_metrics_file(tmp_path):

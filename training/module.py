@@ -60,6 +60,9 @@ class LitLlama(L.LightningModule):
         if self.compile_model:
             # Each block in place (parameter names and checkpoints unchanged). The blocks share one code
             # path, so inductor compiles it once for all of them: a fraction of compiling the whole model.
+            # A fresh dynamo cache first: in a sweep (train.py -m) every architecture adds its graphs to that
+            # code's cache, and past dynamo's recompile limit the later runs would train eager.
+            torch.compiler.reset()
             for block in self.model.blocks:
                 block.compile()
 
