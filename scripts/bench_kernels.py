@@ -50,12 +50,12 @@ DEFAULTS = dict(
 
 
 def training_step(args: dict, precision: str, compiled: bool = False):
-    """A closure running one training step of a fresh model=<shape> in `precision`, and the model;
-    compiled: its blocks compiled in place first (compile=true)."""
+    """A closure running one training step of a fresh model=<shape> with kernels on in `precision`, and
+    the model; compiled: its blocks compiled in place after the kernels are in (as compile=true)."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={args['shape']}", f"data.max_len={args['seq_len']}"])
     torch.manual_seed(args["seed"])
-    model = Llama(build(cfg.model, vocab_size=args["vocab"])).train()
+    model = use_kernels(Llama(build(cfg.model, vocab_size=args["vocab"])).train())  # as train.py's default
     if compiled:
         for block in model.blocks:
             block.compile()
