@@ -91,8 +91,9 @@ class ExtendConfig:
 
     def plain_within(self, seq_len: int) -> bool:
         """True when positions below `seq_len` need no grouped score: every query-key distance is
-        then below the window, so Self-Extend is exactly plain attention (and cheaper)."""
-        return not self.self_extend or seq_len <= self.window
+        then below the window, or the group is 1 (a grouped position is then the true one), so
+        Self-Extend is exactly plain attention (and cheaper)."""
+        return not self.self_extend or seq_len <= self.window or self.group == 1
 
 
 def override_extend(base: ExtendConfig, override: dict, train_max_len: int | None = None) -> ExtendConfig:

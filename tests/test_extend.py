@@ -200,9 +200,10 @@ def own_compiled_graphs():
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
-def test_window_covering_the_sequence_is_plain_attention_exactly(rope):
-    """Every distance below the window: Self-Extend is plain attention, bit for bit, in the full
-    forward and through the cache; log-n inside the training length too."""
+def test_self_extend_without_grouped_scores_is_plain_attention_exactly(rope):
+    """Every distance below the window, or a group of 1 (grouped positions are the true ones): Self-Extend
+    is plain attention, bit for bit, in the full forward and through the cache; log-n inside the training
+    length too."""
     plain = extended(ROPES[rope], ExtendConfig())
     idx = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
@@ -210,6 +211,7 @@ def test_window_covering_the_sequence_is_plain_attention_exactly(rope):
         cached = score_tokens(plain, idx, chunk=9)
         for extend in (
             ExtendConfig(method="self_extend", window=40, group=4),
+            ExtendConfig(method="self_extend", window=8, group=1),
             ExtendConfig(method="logn", original_max_len=40),
         ):
             plain.set_extend(extend)
