@@ -25,8 +25,9 @@ setup: $(STAMP) ## Create .venv and install pinned runtime + dev dependencies (i
 train: setup ## Train the default small model on embedded Shakespeare (CPU: ~3-7 min with bf16 matmuls, ~15 in fp32); ARGS="key=value ..."
 	$(PY) train.py $(ARGS)
 
-test: setup ## Run the fast test suite (what CI runs)
-	$(PY) -m pytest -q $(ARGS)
+# Two pytest-xdist workers: much of the suite is single-threaded start-up of CLI subprocesses.
+test: setup ## Run the fast test suite in two worker processes (what CI runs); ARGS="-n 0" for one
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
 test-slow: setup $(VENV)/.gguf-installed ## Run every test, including the multi-minute ones marked `slow` (installs the llama.cpp extra)
 	$(PY) -m pytest -q -m "" $(ARGS)
