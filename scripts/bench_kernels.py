@@ -8,7 +8,7 @@ the transformer blocks compiled against eager (`compile: true|false`).
 A step is forward + fused-or-plain loss + backward + fused AdamW, as train.py runs it. compare=kernels:
 one model and one optimizer serve both settings (`use_kernels` swaps the modules' classes between calls),
 so the only difference is the kernels. compare=compile: two models from the same seed, one with its blocks
-compiled in place as LitLlama.configure_model does (kernels on in both); the warm-up calls hold the
+compiled in place as train.py's compile=true does (kernels on in both); the warm-up calls hold the
 compile. Calls alternate (off, on, off, on, ...) after a warm-up, and each repeat's ratio is taken from
 adjacent calls, so a busy machine slows both alike; the table gives medians and the quartiles of the
 ratios. Speed-up = time off / time on: > 1 means the kernels (or the compiled blocks) are faster. On a
@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from inference.cli import build
 from kernels import use_kernels
 from model.llama import Llama
+from training.compile import compile_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast, as trainer.precision=bf16-mixed
@@ -57,8 +58,7 @@ def training_step(args: dict, precision: str, compiled: bool = False):
     torch.manual_seed(args["seed"])
     model = use_kernels(Llama(build(cfg.model, vocab_size=args["vocab"])).train())  # as train.py's default
     if compiled:
-        for block in model.blocks:
-            block.compile()
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(args["vocab"], (args["batch"], args["seq_len"] + 1))
     dtype = PRECISIONS[precision]

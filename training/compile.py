@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import torch
+
 from training.precision import resolve_precision, uses_cuda
 
 AUTO = "auto"
@@ -28,6 +30,16 @@ def cxx_compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Compile each transformer block of `model` (a model.llama.Llama) in place: parameter names and
+    checkpoints unchanged, and one graph for all the blocks, since they share one code path."""
+    # A fresh dynamo cache first: in a sweep (train.py -m) every architecture adds its graphs to that code's
+    # cache, and past dynamo's recompile limit the later runs would train eager.
+    torch.compiler.reset()
+    for block in model.blocks:
+        block.compile()
 
 
 def resolve_compile(

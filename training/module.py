@@ -14,6 +14,7 @@ from inference.checkpoint import format_entries
 from kernels import use_kernels
 from model.config import ModelConfig
 from model.llama import Llama
+from training.compile import compile_blocks
 from training.optim import OptimConfig, build_optimizer, warmup_cosine
 from training.throughput import matmul_dtype, measure_matmul_peak
 
@@ -57,14 +58,8 @@ class LitLlama(L.LightningModule):
         self._fit_start: float | None = None
 
     def configure_model(self) -> None:
-        if self.compile_model:
-            # Each block in place (parameter names and checkpoints unchanged). The blocks share one code
-            # path, so inductor compiles it once for all of them: a fraction of compiling the whole model.
-            # A fresh dynamo cache first: in a sweep (train.py -m) every architecture adds its graphs to that
-            # code's cache, and past dynamo's recompile limit the later runs would train eager.
-            torch.compiler.reset()
-            for block in self.model.blocks:
-                block.compile()
+        if self.compile_model:  # the blocks, not the model: a fraction of the compile time for the same steps
+            compile_blocks(self.model)
 
     def forward(self, idx, position_ids=None, kv_cache=None):
         return self.model(idx, position_ids=position_ids, kv_cache=kv_cache)
