@@ -367,7 +367,7 @@ def test_bench_kernels_smoke(capsys):
     """scripts/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
     from scripts.bench_kernels import main
 
-    main([*TINY_BENCH, "warmup=0"])
+    main([*TINY_BENCH, "precisions=[fp32,bf16]", "warmup=0"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| fp32", "| bf16"))]
     assert len(rows) == 2 and all(row.count("x (") == 1 for row in rows)
 
@@ -382,6 +382,17 @@ def test_bench_kernels_compares_compiled_blocks(capsys):
     assert "| eager (s/step) | blocks compiled (s/step) |" in out
     rows = [line for line in out.splitlines() if line.startswith(("| fp32", "| bf16"))]
     assert len(rows) == 1 and rows[0].startswith("| fp32") and rows[0].count("x (") == 1
+
+
+@pytest.mark.parametrize(
+    "flags, precisions", [("fpu avx2 amx_bf16", ["fp32", "bf16"]), ("fpu avx2", ["fp32"])]
+)
+def test_bench_kernels_times_bf16_only_where_the_cpu_multiplies_it_natively(flags, precisions, monkeypatch):
+    from scripts.bench_kernels import parse
+
+    monkeypatch.setattr("training.precision.cpu_flags", lambda: set(flags.split()))
+    assert parse([])["precisions"] == precisions
+    assert parse(["precisions=[bf16]"])["precisions"] == ["bf16"]  # an explicit list is used as given
 
 
 @pytest.mark.parametrize(
