@@ -113,9 +113,9 @@ def parse(argv: list[str]) -> dict:
     args = {**DEFAULTS, **given}
     if args["compare"] not in COMPARISONS:
         raise SystemExit(f"error: compare must be one of {sorted(COMPARISONS)}, got {args['compare']!r}.")
-    precisions = args["precisions"] = (
-        default_precisions() if args["precisions"] is None else args["precisions"]
-    )
+    if args["precisions"] is None:
+        args["precisions"] = default_precisions()
+    precisions = args["precisions"]
     if not isinstance(precisions, list) or not precisions or not set(precisions) <= set(PRECISIONS):
         raise SystemExit(
             f"error: precisions must be a non-empty list of {list(PRECISIONS)}, got {precisions!r}."

@@ -1,7 +1,7 @@
 """`compile=auto`: compile the transformer blocks where the run is long enough to earn the compile back.
 
-`compile=true` compiles each block in place (LitLlama.configure_model); the blocks share one code path,
-so inductor builds it once for all of them. On a 2-core AMX CPU under bf16-mixed that made the default
+`compile=true` compiles each block in place (`compile_blocks`, from LitLlama.configure_model); the blocks
+share one code path, so inductor builds it once for all of them. On a 2-core AMX CPU under bf16-mixed that made the default
 job's steps 1.3x faster for about 30 s of compiling from a cold cache (docs/performance.md, Time to quality).
 `auto` turns it on where those measurements apply: a CPU run in bf16-mixed of at least MIN_STEPS steps,
 with a C++ compiler for inductor's CPU kernels. Elsewhere it stays off: in fp32 the compiled blocks were
