@@ -22,7 +22,7 @@ $(STAMP): requirements.txt requirements-dev.txt | $(VENV)/bin/python
 
 setup: $(STAMP) ## Create .venv and install pinned runtime + dev dependencies (idempotent)
 
-train: setup ## Train the default small model on embedded Shakespeare (CPU: ~3-7 min with bf16 matmuls, ~15 in fp32); ARGS="key=value ..."
+train: setup ## Train the default small model on embedded Shakespeare (CPU: ~4-6 min with bf16 matmuls, up to 15 in fp32); ARGS="key=value ..."
 	$(PY) train.py $(ARGS)
 
 # Two pytest-xdist workers: much of the suite is single-threaded start-up of CLI subprocesses.
