@@ -14,7 +14,7 @@
  */
 #include <math.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX2__) && defined(__FMA__) /* AVX-512 CPUs have both */
 #include <immintrin.h>
 #endif
 
@@ -62,8 +62,8 @@ static void rope(float *v, const float *cos, const float *sin, int rotary_dim, i
     }
 }
 
-/* exp(x) for the x <= 0 of a softmax after its max is subtracted, in a form the compiler vectorizes
- * (libm's expf is a call per element; docs/performance.md): x = k ln2 + r with k an integer and |r| <= ln2/2
+/* exp(x) for the x <= 0 of a softmax after its max is subtracted, without libm's call per element
+ * (docs/performance.md): x = k ln2 + r with k an integer and |r| <= ln2/2
  * (ln 2 split in two, so k * hi is exact: Cody-Waite), exp(r) from its Taylor series to degree 7, and
  * 2^k written into a float's exponent bits. Relative error < 1e-7, i.e. within a float ulp. */
 static inline float exp_nonpositive(float x) {
@@ -82,6 +82,37 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* s[j] = exp(s[j] - shift) for j < n (every s[j] <= shift), in place; returns their sum. With AVX2 the
+ * steps of exp_nonpositive run 8 floats at a time: GCC leaves the scalar form unvectorized for AVX2 targets. */
+static float exp_shifted_sum(float *s, int n, float shift) {
+    float total = 0.f;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 sum = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(shift)),
+                                       _mm256_set1_ps(-87.f));
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-6f),
+                                          _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x));
+        __m256 p = _mm256_set1_ps(1.f / 5040);
+        const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+        for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[i]));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+#endif
+#pragma omp simd reduction(+ : total)
+    for (int i = j; i < n; i++) total += (s[i] = exp_nonpositive(s[i] - shift));
+    return total;
 }
 
 #ifdef __AVX512F__
@@ -110,6 +141,26 @@ static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
                              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* dot16's tree for 8-lane AVX2 (head_dim a multiple of 8): the 8 dot products of 8 consecutive keys. */
+static inline __m256 dot8(const float *q, const float *keys, int head_dim) {
+    __m256 v[8], w[4], x[2];
+    for (int i = 0; i < 8; i++) {
+        const float *k = keys + (size_t)i * head_dim;
+        v[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int d = 8; d < head_dim; d += 8)
+            v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v[i]);
+    }
+    for (int i = 0; i < 4; i++) /* per 128-bit half: lanes of keys 2i, 2i+1 interleaved */
+        w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) { /* per 128-bit half: one partial sum each of keys 4i .. 4i+3 */
+        const __m256d a = _mm256_castps_pd(w[2 * i]), b = _mm256_castps_pd(w[2 * i + 1]);
+        x[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
 #endif
 
 /* The `group` query heads of one KV head (GQA) over its n cached keys: softmax(q k^T / sqrt(D)) v.
@@ -126,8 +177,15 @@ static void attend(const float *q, const float *keys, const float *values, float
                 _mm512_storeu_ps(scores + (size_t)a * stride + j,
                                  _mm512_mul_ps(dot16(q + a * head_dim, keys + (size_t)j * head_dim, head_dim),
                                                _mm512_set1_ps(scale)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0)
+        for (; j + 8 <= n; j += 8)
+            for (int a = 0; a < group; a++)
+                _mm256_storeu_ps(scores + (size_t)a * stride + j,
+                                 _mm256_mul_ps(dot8(q + a * head_dim, keys + (size_t)j * head_dim, head_dim),
+                                               _mm256_set1_ps(scale)));
 #endif
-    for (; j < n; j++) { /* the keys left over (all of them without AVX-512) */
+    for (; j < n; j++) { /* the keys left over (all of them without AVX-512 or AVX2) */
         const float *k = keys + (size_t)j * head_dim;
         for (int a = 0; a < group; a++) {
             const float *qa = q + a * head_dim;
@@ -138,12 +196,10 @@ static void attend(const float *q, const float *keys, const float *values, float
         }
     }
     for (int a = 0; a < group; a++) { /* softmax of each head's row, normalised into the values below */
-        float *s = scores + (size_t)a * stride, max_score = -INFINITY, total = 0.f;
+        float *s = scores + (size_t)a * stride, max_score = -INFINITY;
 #pragma omp simd reduction(max : max_score)
         for (int j = 0; j < n; j++) max_score = s[j] > max_score ? s[j] : max_score;
-#pragma omp simd reduction(+ : total)
-        for (int j = 0; j < n; j++) total += (s[j] = exp_nonpositive(s[j] - max_score));
-        const float inv_total = 1.f / total;
+        const float inv_total = 1.f / exp_shifted_sum(s, n, max_score);
 #pragma omp simd
         for (int j = 0; j < n; j++) s[j] *= inv_total;
     }

@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -592,8 +593,11 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Pa
     for key in keys:  # one untimed step each: first-call allocations (and the compile)
         step(*key)
     times: dict[tuple, list[float]] = {key: [] for key in keys}
+    order = random.Random(args["seed"])
     for _ in range(-(-steps // block)):
-        for key in keys:
+        # A new order each round: in a fixed one a block always follows the same other block, and what
+        # that one leaves in the caches biases it (docs/performance.md, Decode latency growth).
+        for key in order.sample(keys, len(keys)):
             for _ in range(block):
                 sync(device)
                 t0 = time.perf_counter()

@@ -651,14 +651,16 @@ def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
     assert len(list((tmp_path / "rope-llama").glob("cpu_decode-*.so"))) == 2
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path):
-    """CPUs without AVX-512 (and other compilers) take the C step's portable loops: built here with
-    AVX-512 switched off, they must match the full forward as the AVX-512 build does."""
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx* are x86 flags")
+@pytest.mark.parametrize("switch_off", ["-mno-avx512f", "-mno-avx2"])
+def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path, switch_off):
+    """CPUs without AVX-512 take the C step's AVX2 loops, CPUs without AVX2 (and other compilers) its
+    portable ones: built here with those instructions switched off, each must match the full forward as
+    the -march=native build does."""
     import kernels.cpu_decode as cpu_decode
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, switch_off])
     cpu_decode.library.cache_clear()
     try:
         native, full = native_logits(tiny(tok.vocab_size), prompt_ids(tok, "ROMEO: But soft"), 24, 40)
