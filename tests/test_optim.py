@@ -9,7 +9,15 @@ import torch
 
 from model.config import ModelConfig
 from model.llama import Llama
-from training.optim import MuonWithAdamW, OptimConfig, build_optimizer, is_hidden_matrix, warmup_cosine
+from training.optim import (
+    MuonWithAdamW,
+    OptimConfig,
+    build_optimizer,
+    is_hidden_matrix,
+    lr_multiplier,
+    warmup_cosine,
+    warmup_stable_decay,
+)
 
 
 def tiny_model(seed: int = 0) -> Llama:
@@ -129,3 +137,43 @@ def test_optimizer_state_round_trip_resumes_exactly(name):
 def test_unknown_optimizer_is_one_sentence():
     with pytest.raises(ValueError, match=r"optim.name='sgd'; choose one of adamw, muon"):
         opt(tiny_model(), "sgd")
+
+
+def test_warmup_stable_decay_holds_the_peak_then_decays_linearly():
+    """warmup 10, 100 steps, the last 20 decaying to a tenth: 0.1 at step 0, 1 from 9 to 80, then a line."""
+    values = [warmup_stable_decay(s, 10, 100, 0.1, 0.2) for s in range(101)]
+    assert values[0] == pytest.approx(0.1) and values[9] == 1.0
+    assert set(values[9:81]) == {1.0}
+    assert values[90] == pytest.approx(1 - 0.9 * 10 / 20) and values[100] == pytest.approx(0.1)
+    steps = [a - b for a, b in zip(values[80:100], values[81:101])]
+    assert steps == pytest.approx([0.9 / 20] * 20)  # equal steps down: linear
+
+
+def test_lr_multiplier_follows_the_configured_schedule():
+    cosine, wsd = (
+        OptimConfig(warmup_steps=10),
+        OptimConfig(warmup_steps=10, schedule="wsd", decay_fraction=0.5),
+    )
+    assert lr_multiplier(cosine, 55, 100) == warmup_cosine(55, 10, 100, 0.1)
+    assert (
+        lr_multiplier(wsd, 55, 100)
+        == warmup_stable_decay(55, 10, 100, 0.1, 0.5)
+        != lr_multiplier(cosine, 55, 100)
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "schedule",
+            "linear",
+            r"Unknown learning-rate schedule optim.schedule='linear'; choose one of cosine, wsd.",
+        ),
+        ("decay_fraction", 0.0, r"optim.decay_fraction must be in \(0, 1\], got 0.0."),
+        ("decay_fraction", 1.5, r"optim.decay_fraction must be in \(0, 1\], got 1.5."),
+    ],
+)
+def test_bad_schedule_settings_are_one_sentence(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        OptimConfig(**{field: value})

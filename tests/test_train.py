@@ -20,7 +20,7 @@ from train import build_callbacks, build_trainer, resume_command, run_summary, t
 from training.callbacks import TextSample
 from training.loggers import csv_logger, finish_wandb
 from training.module import LitLlama
-from training.optim import OptimConfig, build_optimizer
+from training.optim import OptimConfig, build_optimizer, lr_multiplier
 from training.throughput import matmul_dtype
 
 
@@ -175,6 +175,23 @@ def test_schedule_steps_stops_a_run_where_the_longer_schedule_was(tmp_path, corp
     cut_weights, own_weights = last_weights(cut), last_weights(own)
     assert at_10.keys() == cut_weights.keys() and all(torch.equal(at_10[k], cut_weights[k]) for k in at_10)
     assert not torch.equal(at_10["embed.weight"], own_weights["embed.weight"])
+
+
+def test_wsd_schedule_drives_the_logged_learning_rate(tmp_path, corpus):
+    """optim.schedule=wsd reaches the optimizer: the monitor's learning rates are the schedule's."""
+    _, run_dir = run_train(
+        tmp_path, corpus, "optim.schedule=wsd", "optim.decay_fraction=0.25", "trainer.log_every_n_steps=1"
+    )
+    cfg = OptimConfig(lr=2e-3, warmup_steps=5, schedule="wsd", decay_fraction=0.25)
+    with open(run_dir / "metrics.csv") as f:
+        logged = {
+            int(r["step"]): float(r["lr-AdamW/pg1"]) for r in csv.DictReader(f) if r.get("lr-AdamW/pg1")
+        }
+    assert sorted(logged) == list(range(20))
+    assert [logged[s] for s in range(20)] == pytest.approx(
+        [cfg.lr * lr_multiplier(cfg, s, 20) for s in range(20)]
+    )
+    assert logged[10] == logged[14] == cfg.lr > logged[17] > logged[19]  # constant, then decaying
 
 
 def test_schedule_steps_must_be_a_positive_integer():

@@ -15,7 +15,7 @@ from kernels import use_kernels
 from model.config import ModelConfig
 from model.llama import Llama
 from training.compile import compile_blocks
-from training.optim import OptimConfig, build_optimizer, warmup_cosine
+from training.optim import OptimConfig, build_optimizer, lr_multiplier
 from training.throughput import matmul_dtype, measure_matmul_peak
 
 if TYPE_CHECKING:
@@ -144,10 +144,9 @@ class LitLlama(L.LightningModule):
         # gradients before they are clipped, and a fused step unscales them itself, too late for that.
         fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
         optimizer = build_optimizer(self.model, self.optim, fused)
-        warmup, min_lr_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
         schedule_steps = self.optim.schedule_steps or self.max_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup, schedule_steps, min_lr_ratio)
+            optimizer, lambda step: lr_multiplier(self.optim, step, schedule_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

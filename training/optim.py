@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -27,6 +28,19 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_stable_decay(
+    step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float, decay_fraction: float
+) -> float:
+    """LR multiplier: linear warmup to 1, constant, then a linear decay to min_lr_ratio over the last
+    `decay_fraction` of max_steps (Hu et al. 2024, MiniCPM; Hagele et al. 2024). Before its decay the
+    learning rate does not depend on max_steps, so runs of different lengths share that phase."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, round(decay_fraction * max_steps))
+    progress = min(1.0, max(0.0, (step - (max_steps - decay_steps)) / decay_steps))
+    return 1 - (1 - min_lr_ratio) * progress
+
+
 @dataclass
 class OptimConfig:
     """configs/optim/<name>.yaml: the optimizer and its schedule; an unknown `name` fails on construction.
@@ -34,11 +48,15 @@ class OptimConfig:
 
     name: str = "adamw"
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    schedule: str = "cosine"  # after the warmup: cosine, or wsd (constant, then a linear decay at the end)
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
+    decay_fraction: float = 0.2  # wsd: the share of the schedule's steps that decay
     weight_decay: float = 0.1  # matrices only
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 100
-    schedule_steps: int | None = None  # the cosine's length (null: trainer.max_steps); longer stops mid-decay
+    schedule_steps: int | None = (
+        None  # the schedule's length (null: trainer.max_steps); longer stops mid-decay
+    )
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
@@ -48,12 +66,27 @@ class OptimConfig:
             raise ValueError(
                 f"Unknown optimizer optim.name={self.name!r}; choose one of {', '.join(OPTIMIZERS)}."
             )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Unknown learning-rate schedule optim.schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}."
+            )
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction!r}.")
         self.betas = tuple(self.betas)  # a YAML list
         steps = self.schedule_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(
                 f"optim.schedule_steps must be a positive integer or null (= trainer.max_steps), got {steps!r}."
             )
+
+
+def lr_multiplier(cfg: OptimConfig, step: int, schedule_steps: int) -> float:
+    """The learning rate at `step` as a fraction of the configured one, for cfg.schedule."""
+    if cfg.schedule == "wsd":
+        return warmup_stable_decay(
+            step, cfg.warmup_steps, schedule_steps, cfg.min_lr_ratio, cfg.decay_fraction
+        )
+    return warmup_cosine(step, cfg.warmup_steps, schedule_steps, cfg.min_lr_ratio)
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
