@@ -66,18 +66,16 @@ static void rope(float *v, const float *cos, const float *sin, int rotary_dim, i
  * (docs/performance.md): x = k ln2 + r with k an integer and |r| <= ln2/2
  * (ln 2 split in two, so k * hi is exact: Cody-Waite), exp(r) from its Taylor series to degree 7, and
  * 2^k written into a float's exponent bits. Relative error < 1e-7, i.e. within a float ulp. */
+static const float EXP_FLOOR = -87.f; /* exp(-87) ~ 1.6e-38: 2^k stays a normal float */
+static const float LOG2E = 1.44269504f, LN2_HI = 0.693145751953125f, LN2_LO = 1.428606765330187e-6f;
+static const float TAYLOR[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}; /* 1/7! .. 1/0! */
+
 static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x; /* exp(-87) ~ 1.6e-38: 2^k stays a normal float */
-    const float k = nearbyintf(x * 1.44269504f);
-    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-6f;
-    float p = 1.f / 5040; /* 1/7!, then Horner down to 1/0! */
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    x = x < EXP_FLOOR ? EXP_FLOOR : x;
+    const float k = nearbyintf(x * LOG2E);
+    const float r = (x - k * LN2_HI) - k * LN2_LO;
+    float p = TAYLOR[0]; /* Horner */
+    for (int i = 1; i < 8; i++) p = p * r + TAYLOR[i];
     const int bits = ((int)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -93,14 +91,12 @@ static float exp_shifted_sum(float *s, int n, float shift) {
     __m256 sum = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
         const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(shift)),
-                                       _mm256_set1_ps(-87.f));
-        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                       _mm256_set1_ps(EXP_FLOOR));
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-6f),
-                                          _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x));
-        __m256 p = _mm256_set1_ps(1.f / 5040);
-        const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-        for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[i]));
+        const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), x));
+        __m256 p = _mm256_set1_ps(TAYLOR[0]);
+        for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TAYLOR[i]));
         const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
         const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
         _mm256_storeu_ps(s + j, e);
