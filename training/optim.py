@@ -50,7 +50,7 @@ class OptimConfig:
     lr: float = 3e-3
     schedule: str = "cosine"  # after the warmup: cosine, or wsd (constant, then a linear decay at the end)
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
-    decay_fraction: float = 0.2  # wsd: the share of the schedule's steps that decay
+    decay_fraction: float = 0.3  # wsd: the share of the schedule's steps that decay
     weight_decay: float = 0.1  # matrices only
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 100
