@@ -1,15 +1,18 @@
-"""One training step, two ways: kernels on against off (`kernels: true|false` in configs/train.yaml), or
-the transformer blocks compiled against eager (`compile: true|false`).
+"""One training step, two ways: kernels on against off (`kernels: true|false` in configs/train.yaml), the
+transformer blocks compiled against eager (`compile: true|false`), or optim=muon's Newton-Schulz iterations
+in fp32 against bf16 (`optim.muon_dtype`; bf16 is what torch.optim.Muon always uses).
 
     python scripts/bench_kernels.py               # model=small, batch 16 x 256, fp32 (and bf16 autocast *)
     python scripts/bench_kernels.py repeats=15 threads=1 shape=tiny
     python scripts/bench_kernels.py compare=compile precisions=[fp32]
+    python scripts/bench_kernels.py compare=muon_dtype precisions=[fp32] batch=8
 
 A step is forward + fused-or-plain loss + backward + fused AdamW, as train.py runs it. compare=kernels:
 one model and one optimizer serve both settings (`use_kernels` swaps the modules' classes between calls),
 so the only difference is the kernels. compare=compile: two models from the same seed, one with its blocks
 compiled in place as train.py's compile=true does (kernels on in both); the warm-up calls hold the
-compile. Calls alternate (off, on, off, on, ...) after a warm-up, and each repeat's ratio is taken from
+compile. compare=muon_dtype: two models from the same seed, each stepped by optim=muon, its Newton-Schulz
+iterations in bf16 in one and in fp32 in the other. Calls alternate (off, on, off, on, ...) after a warm-up, and each repeat's ratio is taken from
 adjacent calls, so a busy machine slows both alike; the table gives medians and the quartiles of the
 ratios. Speed-up = time off / time on: > 1 means the kernels (or the compiled blocks) are faster. On a
 shared machine, threads=1 keeps one descheduled thread from stalling the other.
@@ -35,11 +38,17 @@ from inference.cli import build
 from kernels import use_kernels
 from model.llama import Llama
 from training.compile import compile_blocks
+from training.optim import OptimConfig, build_optimizer
 from training.precision import AUTO, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast, as trainer.precision=bf16-mixed
-COMPARISONS = {"kernels": ("kernels off", "kernels on"), "compile": ("eager", "blocks compiled")}
+COMPARISONS = {
+    "kernels": ("kernels off", "kernels on"),
+    "compile": ("eager", "blocks compiled"),
+    "muon_dtype": ("Muon, Newton-Schulz in bf16", "in fp32"),
+}
+MUON_DTYPES = ((False, "bfloat16"), (True, "float32"))  # (the candidate?, optim.muon_dtype)
 DEFAULTS = dict(
     compare="kernels",
     precisions=None,  # default_precisions()
@@ -54,16 +63,20 @@ DEFAULTS = dict(
 )
 
 
-def training_step(args: dict, precision: str, compiled: bool = False):
+def training_step(args: dict, precision: str, compiled: bool = False, muon_dtype: str | None = None):
     """A closure running one training step of a fresh model=<shape> with kernels on in `precision`, and
-    the model; compiled: its blocks compiled in place after the kernels are in (as compile=true)."""
+    the model; compiled: its blocks compiled in place after the kernels are in (as compile=true);
+    muon_dtype: stepped by optim=muon with that optim.muon_dtype (else by AdamW)."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={args['shape']}", f"data.max_len={args['seq_len']}"])
     torch.manual_seed(args["seed"])
     model = use_kernels(Llama(build(cfg.model, vocab_size=args["vocab"])).train())  # as train.py's default
     if compiled:
         compile_blocks(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if muon_dtype is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        optimizer = build_optimizer(model, OptimConfig(name="muon", muon_dtype=muon_dtype), fused=True)
     idx = torch.randint(args["vocab"], (args["batch"], args["seq_len"] + 1))
     dtype = PRECISIONS[precision]
 
@@ -86,6 +99,8 @@ def contenders(args: dict, precision: str) -> dict:
     """{False: the baseline step, True: the candidate step} of args['compare']."""
     if args["compare"] == "compile":
         return {compiled: training_step(args, precision, compiled)[0] for compiled in (False, True)}
+    if args["compare"] == "muon_dtype":
+        return {fp32: training_step(args, precision, muon_dtype=dtype)[0] for fp32, dtype in MUON_DTYPES}
     step, model = training_step(args, precision)
 
     def with_kernels(enabled: bool):

@@ -89,9 +89,8 @@ def run(cfg: ProbeConfig) -> int | None:
     keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mix_previous_tokens")
     shape = {k: getattr(cfg, k) for k in keys}
     model = Llama(ModelConfig(**shape))
-    opt = build_optimizer(
-        model, OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=0.0, muon_lr=cfg.muon_lr), fused=False
-    )
+    settings = OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=0.0, muon_lr=cfg.muon_lr)
+    opt = build_optimizer(model, settings, fused=False, precision="bf16-mixed")  # the autocast below
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     rng, start, formed = np.random.default_rng(cfg.seed), time.time(), None
     for step in range(1, cfg.steps + 1):

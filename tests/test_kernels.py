@@ -384,6 +384,17 @@ def test_bench_kernels_compares_compiled_blocks(capsys):
     assert len(rows) == 1 and rows[0].startswith("| fp32") and rows[0].count("x (") == 1
 
 
+def test_bench_kernels_compares_muons_newton_schulz_dtypes(capsys):
+    """compare=muon_dtype times optim=muon's step with its Newton-Schulz iterations in bf16 and in fp32."""
+    from scripts.bench_kernels import main
+
+    main(["compare=muon_dtype", "precisions=[fp32]", *TINY_BENCH])
+    out = capsys.readouterr().out
+    assert "| Muon, Newton-Schulz in bf16 (s/step) | in fp32 (s/step) |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| fp32")]
+    assert len(rows) == 1 and rows[0].count("x (") == 1
+
+
 @pytest.mark.parametrize(
     "flags, precisions", [("fpu avx2 amx_bf16", ["fp32", "bf16"]), ("fpu avx2", ["fp32"])]
 )
@@ -398,7 +409,7 @@ def test_bench_kernels_times_bf16_only_where_the_cpu_multiplies_it_natively(flag
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["compare=speed"], "compare must be one of ['compile', 'kernels'], got 'speed'."),
+        (["compare=speed"], "compare must be one of ['compile', 'kernels', 'muon_dtype'], got 'speed'."),
         (["precisions=[fp16]"], "precisions must be a non-empty list of ['fp32', 'bf16'], got ['fp16']."),
         (["precisions=fp32"], "precisions must be a non-empty list of ['fp32', 'bf16'], got 'fp32'."),
         (["steps=3"], "unknown arguments ['steps']"),

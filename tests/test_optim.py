@@ -10,11 +10,14 @@ import torch
 from model.config import ModelConfig
 from model.llama import Llama
 from training.optim import (
+    Muon,
     MuonWithAdamW,
     OptimConfig,
     build_optimizer,
     is_hidden_matrix,
     lr_multiplier,
+    newton_schulz,
+    resolve_muon_dtype,
     warmup_cosine,
     warmup_stable_decay,
 )
@@ -81,6 +84,71 @@ def test_muon_update_is_orthogonalised():
     update = (before - weight.detach()) / optimizer.muon.param_groups[0]["lr"]  # square: scale 1
     leading = torch.linalg.svdvals(update)[:8]
     assert leading.min() > 0.7 and leading.max() < 1.3, leading
+
+
+def muon_pair(dtype: torch.dtype, **settings) -> tuple[list[torch.nn.Parameter], ...]:
+    """The same wide, square and tall matrices (Muon's three cases), stepped 4 times with the same
+    gradients by torch.optim.Muon and by ours in `dtype`; returns both parameter lists."""
+    torch.manual_seed(0)
+    start = [torch.randn(shape) for shape in ((8, 24), (16, 16), (24, 8))]
+    ours = [torch.nn.Parameter(w.clone()) for w in start]
+    torch_s = [torch.nn.Parameter(w.clone()) for w in start]
+    ours_opt = Muon(ours, orthogonalise_dtype=dtype, **settings)
+    torch_opt = torch.optim.Muon(torch_s, adjust_lr_fn="original", **settings)
+    for step in range(4):
+        for params, optimizer in ((ours, ours_opt), (torch_s, torch_opt)):
+            grads = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            optimizer.step()
+    return ours, torch_s
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_our_muon_in_bf16_is_torchs_muon_bit_for_bit(nesterov):
+    ours, torchs = muon_pair(torch.bfloat16, lr=0.05, weight_decay=0.1, nesterov=nesterov)
+    for a, b in zip(ours, torchs):
+        assert torch.equal(a, b), a.shape
+    assert not torch.equal(ours[0], torch.randn(8, 24, generator=torch.Generator().manual_seed(0)))
+
+
+def test_our_muon_in_fp32_takes_torchs_steps_to_bf16_rounding():
+    """Same update, finer arithmetic: the weights differ from torch's (bf16) by far less than the steps
+    moved them, and its Newton-Schulz output keeps float32."""
+    ours, torchs = muon_pair(torch.float32, lr=0.05, weight_decay=0.1)
+    _, start = muon_pair(torch.float32, lr=0.0, weight_decay=0.0)
+    for a, b, w0 in zip(ours, torchs, start):
+        moved = (b - w0).norm()
+        assert moved > 0.1 and (a - b).norm() < 0.02 * moved, a.shape
+        assert not torch.equal(a, b)
+    assert (
+        newton_schulz(torch.randn(6, 4), torch.float32, (3.4445, -4.775, 2.0315), 5, 1e-7).dtype
+        == torch.float32
+    )
+
+
+@pytest.mark.parametrize(
+    "muon_dtype, precision, expected",
+    [
+        ("auto", "bf16-mixed", torch.bfloat16),
+        ("auto", "bf16-true", torch.bfloat16),
+        ("auto", "32-true", torch.float32),
+        ("auto", "16-mixed", torch.float32),
+        ("float32", "bf16-mixed", torch.float32),
+        ("bfloat16", "32-true", torch.bfloat16),
+    ],
+)
+def test_muon_dtype_follows_the_runs_matmuls_unless_set(muon_dtype, precision, expected):
+    assert resolve_muon_dtype(muon_dtype, precision) == expected
+    optimizer = build_optimizer(
+        tiny_model(), OptimConfig(name="muon", muon_dtype=muon_dtype), False, precision
+    )
+    assert optimizer.muon.orthogonalise_dtype == expected
+
+
+def test_unknown_muon_dtype_is_one_sentence():
+    with pytest.raises(ValueError, match=r"Unknown optim.muon_dtype='fp8'; choose auto, bfloat16, float32."):
+        OptimConfig(name="muon", muon_dtype="fp8")
 
 
 def test_scheduler_scales_muon_and_adamw_learning_rates():

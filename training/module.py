@@ -143,7 +143,7 @@ class LitLlama(L.LightningModule):
         # Fused AdamW kernels exist for CUDA and CPU. Not under 16-mixed: its grad scaler must unscale the
         # gradients before they are clipped, and a fused step unscales them itself, too late for that.
         fused = self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed"
-        optimizer = build_optimizer(self.model, self.optim, fused)
+        optimizer = build_optimizer(self.model, self.optim, fused, str(self.trainer.precision))
         schedule_steps = self.optim.schedule_steps or self.max_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(self.optim, step, schedule_steps)

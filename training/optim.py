@@ -1,9 +1,10 @@
 """Optimizers for `optim=adamw|muon` and the learning-rate schedule.
 
 adamw: AdamW on every parameter, weight decay on matrices only (norm gains are never decayed).
-muon:  torch.optim.Muon on the hidden matrices of the blocks (attention and MLP projections), AdamW on
-       the rest: the embedding (tied with the LM head: a lookup table whose rows update independently,
-       which orthogonalised updates would mix) and the norm gains (vectors, which Muon cannot take).
+muon:  Muon (torch.optim.Muon's update, its Newton-Schulz iterations in a chosen dtype) on the hidden
+       matrices of the blocks (attention and MLP projections), AdamW on the rest: the embedding (tied with
+       the LM head: a lookup table whose rows update independently, which orthogonalised updates would
+       mix) and the norm gains (vectors, which Muon cannot take).
 Both are one `torch.optim.Optimizer` to Lightning, so its closure, clipping, checkpointing and LR
 scheduler work unchanged.
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
+MUON_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # and "auto": resolve_muon_dtype
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -60,6 +62,7 @@ class OptimConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    muon_dtype: str = "auto"  # Newton-Schulz's dtype: auto (the run's matmul dtype), bfloat16 or float32
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -69,6 +72,10 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown learning-rate schedule optim.schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.muon_dtype != "auto" and self.muon_dtype not in MUON_DTYPES:
+            raise ValueError(
+                f"Unknown optim.muon_dtype={self.muon_dtype!r}; choose auto, {', '.join(MUON_DTYPES)}."
             )
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction!r}.")
@@ -102,6 +109,73 @@ def adamw_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: flo
     ]
 
 
+def resolve_muon_dtype(muon_dtype: str, precision: str) -> torch.dtype:
+    """The dtype of Muon's Newton-Schulz iterations for `optim.muon_dtype` in a run of Lightning
+    `precision`: auto follows the run's matmuls, bf16 in bf16 runs (as torch's Muon always does) and
+    fp32 otherwise, since CPUs without bf16 matrix instructions emulate bf16 matmuls, ~45x slower than
+    fp32 on the default model's matrices (docs/performance.md)."""
+    if muon_dtype == "auto":
+        return torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
+    return MUON_DTYPES[muon_dtype]
+
+
+def newton_schulz(
+    matrix: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (Jordan et al. 2024) on a (rows, cols) matrix, in `dtype`:
+    about U V^T of its SVD U S V^T (singular values pulled towards 1, not exactly to it), as torch's."""
+    a, b, c = coefficients
+    wide = matrix.to(dtype)
+    if matrix.size(0) > matrix.size(1):  # iterate on the wide orientation: the Gram matrix is the smaller
+        wide = wide.T
+    wide = wide / wide.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the basin
+    for _ in range(steps):
+        gram = wide @ wide.T
+        wide = torch.addmm(wide, torch.addmm(gram, gram, gram, beta=b, alpha=c), wide, beta=a)
+    return wide.T if matrix.size(0) > matrix.size(1) else wide
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (Nesterov momentum, "original" per-matrix learning-rate scale) with its
+    Newton-Schulz iterations in `orthogonalise_dtype`: torch's always runs them in bf16. In bf16 its
+    steps equal torch's bit for bit (tests/test_optim.py); its state is torch's, so checkpoints of
+    either resume in the other."""
+
+    def __init__(self, params, orthogonalise_dtype: torch.dtype, **kwargs):
+        super().__init__(params, adjust_lr_fn="original", **kwargs)
+        self.orthogonalise_dtype = orthogonalise_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(param.grad, 1 - momentum)
+                update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                update = newton_schulz(
+                    update,
+                    self.orthogonalise_dtype,
+                    group["ns_coefficients"],
+                    group["ns_steps"],
+                    group["eps"],
+                )
+                rows, cols = param.shape
+                param.mul_(1 - lr * group["weight_decay"])
+                # the update's RMS grows with sqrt(rows/cols): one lr suits square and tall matrices alike
+                param.add_(update, alpha=-lr * math.sqrt(max(1, rows / cols)))
+        return loss
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on `hidden`, AdamW on `rest`, stepped together as one optimizer.
 
@@ -109,7 +183,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     scheduler that scales `group["lr"]` scales Muon's and AdamW's own learning rates alike.
     """
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+    def __init__(self, muon: Muon, adamw: torch.optim.AdamW):
         self.muon, self.adamw = muon, adamw
         super().__init__([*muon.param_groups, *adamw.param_groups], defaults={})
 
@@ -134,8 +208,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` names over `model`'s parameters (`fused`: AdamW's fused kernels)."""
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, fused: bool, precision: str = "32-true"
+) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` names over `model`'s parameters (`fused`: AdamW's fused kernels) for a run
+    of Lightning `precision` (which picks Muon's Newton-Schulz dtype under muon_dtype=auto)."""
     named = list(model.named_parameters())
     if cfg.name == "adamw":
         return torch.optim.AdamW(
@@ -143,14 +220,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool) -> torch.op
         )
     hidden = [p for n, p in named if is_hidden_matrix(n, p)]
     rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
-    # "original" scaling: the update's RMS grows with sqrt(rows/cols) as in Keller Jordan's Muon, so one
-    # muon_lr suits the square attention and the wide MLP matrices alike.
-    muon = torch.optim.Muon(
+    muon = Muon(
         hidden,
+        orthogonalise_dtype=resolve_muon_dtype(cfg.muon_dtype, precision),
         lr=cfg.muon_lr,
         momentum=cfg.muon_momentum,
         weight_decay=cfg.muon_weight_decay,
-        adjust_lr_fn="original",
     )
     adamw = torch.optim.AdamW(adamw_groups(rest, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused)
     return MuonWithAdamW(muon, adamw)
