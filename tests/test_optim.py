@@ -112,6 +112,25 @@ def test_our_muon_in_bf16_is_torchs_muon_bit_for_bit(nesterov):
     assert not torch.equal(ours[0], torch.randn(8, 24, generator=torch.Generator().manual_seed(0)))
 
 
+def test_a_torch_muon_state_resumes_in_ours():
+    """Checkpoints written before training.optim.Muon (torch.optim.Muon's state) load and step on:
+    the momentum buffers carry over, so the next step is torch's own (bf16) to the bit."""
+    torch.manual_seed(0)
+    start = torch.randn(16, 24)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]  # torch's, then ours
+    old = torch.optim.Muon([params[0]], lr=0.05, adjust_lr_fn="original")
+    for step in range(3):
+        params[0].grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(step))
+        if step == 2:  # the resume point: copy the weights and state into ours, then both take step 2
+            params[1].data.copy_(params[0].data)
+            ours = Muon([params[1]], orthogonalise_dtype=torch.bfloat16, lr=0.05)
+            ours.load_state_dict(copy.deepcopy(old.state_dict()))
+            params[1].grad = params[0].grad.clone()
+            ours.step()
+        old.step()
+    assert torch.equal(params[0], params[1]) and not torch.equal(params[0], start)
+
+
 def test_our_muon_in_fp32_takes_torchs_steps_to_bf16_rounding():
     """Same update, finer arithmetic: the weights differ from torch's (bf16) by far less than the steps
     moved them, and its Newton-Schulz output keeps float32."""
