@@ -174,12 +174,12 @@ def test_scheduler_scales_muon_and_adamw_learning_rates():
     model = tiny_model()
     optimizer = opt(model, "muon")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 2, 10, 0.1))
-    assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5)
+    assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5)
     assert optimizer.adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5)
     for _ in range(10):
         train_steps(model, optimizer, 1)
         schedule.step()
-    assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.1)
+    assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.01 * 0.1)
     assert optimizer.adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1)
 
 
@@ -198,7 +198,7 @@ def test_scheduler_reaches_muon_and_adamw_after_a_resume():
     resumed_schedule.load_state_dict(schedule.state_dict())
     for _ in range(6):
         resumed_schedule.step()
-    assert resumed.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.1)
+    assert resumed.muon.param_groups[0]["lr"] == pytest.approx(0.01 * 0.1)
     assert resumed.adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1)
     assert [g["lr"] for g in resumed.param_groups] == [
         *(g["lr"] for g in resumed.muon.param_groups),

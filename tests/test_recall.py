@@ -254,6 +254,7 @@ def test_experiment_composes(tmp_path):
     assert cfg.data.recall.answer_weight > 1  # the answers weigh more in the loss (docs/data.md, tenth round)
     assert recall.word_tag_share > 0 and recall.unstated_share > 0  # eighteenth round
     assert cfg.optim.min_lr_ratio > OptimConfig().min_lr_ratio  # the recipe's own floor
+    assert cfg.optim.muon_lr == 0.02  # the bases' Muon rate, not optim=muon's default (0.01 since 2026-11-28)
     assert recall.counting_share > 0  # twenty-second round: the digits stay apart, the copy forms by step 650
 
 

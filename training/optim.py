@@ -59,7 +59,7 @@ class OptimConfig:
     schedule_steps: int | None = (
         None  # the schedule's length (null: trainer.max_steps); longer stops mid-decay
     )
-    muon_lr: float = 0.02
+    muon_lr: float = 0.01
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
     muon_dtype: str = "auto"  # Newton-Schulz's dtype: auto (the run's matmul dtype), bfloat16 or float32
