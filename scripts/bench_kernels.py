@@ -12,9 +12,10 @@ one model and one optimizer serve both settings (`use_kernels` swaps the modules
 so the only difference is the kernels. compare=compile: two models from the same seed, one with its blocks
 compiled in place as train.py's compile=true does (kernels on in both); the warm-up calls hold the
 compile. compare=muon_dtype: two models from the same seed, each stepped by optim=muon, its Newton-Schulz
-iterations in bf16 in one and in fp32 in the other. Calls alternate (off, on, off, on, ...) after a warm-up, and each repeat's ratio is taken from
-adjacent calls, so a busy machine slows both alike; the table gives medians and the quartiles of the
-ratios. Speed-up = time off / time on: > 1 means the kernels (or the compiled blocks) are faster. On a
+iterations in bf16 in one and in fp32 in the other. Calls alternate (off, on, off, on, ...) after a
+warm-up, and each repeat's ratio is taken from adjacent calls, so a busy machine slows both alike; the
+table gives medians and the quartiles of the ratios. Speed-up = time off / time on: > 1 means the kernels
+(or the compiled blocks, or the fp32 iterations) are faster. On a
 shared machine, threads=1 keeps one descheduled thread from stalling the other.
 
 * precisions defaults to fp32 and bf16 where trainer.precision=auto would train in bf16 (the CPU multiplies
