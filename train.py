@@ -34,6 +34,7 @@ from training.callbacks import AtomicCheckpointIO, NewRunDirectories
 from training.compile import resolve_compile
 from training.loggers import finish_wandb
 from training.module import LitLlama, NonFiniteLossError
+from training.optim import resolve_muon_dtype
 from training.precision import resolve_precision
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
@@ -179,6 +180,11 @@ def setup_run(cfg: DictConfig):
         default_root_dir=str(run_dir),
     )
     print(f"Compile: {'the blocks' if compile_blocks else 'off'} ({why})")
+    if optim.name == "muon":  # the dtype configure_optimizers will pick: it decides Muon's speed on a CPU
+        dtype = resolve_muon_dtype(optim.muon_dtype, str(trainer.precision))
+        print(
+            f"Muon's Newton-Schulz: {str(dtype).removeprefix('torch.')} (optim.muon_dtype={optim.muon_dtype})"
+        )
     for logger in trainer.loggers:  # the composed config beside the metrics (wandb's run page, hparams.yaml)
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return run_dir, datamodule, module, trainer, ckpt_path

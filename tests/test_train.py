@@ -149,10 +149,12 @@ def test_resume_command_repeats_the_runs_own_overrides():
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_resume_gives_identical_weights(tmp_path, corpus, optim):
+def test_resume_gives_identical_weights(tmp_path, corpus, optim, capsys):
     """The learning-rate schedule past the resume point is part of it: a frozen LR diverges."""
     keep_steps = ["callbacks.checkpoint.keep_all=true", f"optim={optim}"]
     _, full = run_train(tmp_path, corpus, *keep_steps, name="full")
+    said = "Muon's Newton-Schulz: float32 (optim.muon_dtype=auto)" in capsys.readouterr().out  # an fp32 run
+    assert said == (optim == "muon")
     mid = full / "checkpoints" / "step000010.ckpt"
     assert mid.is_file()
     _, resumed = run_train(tmp_path, corpus, *keep_steps, f"ckpt_path={mid}", name="resumed")
