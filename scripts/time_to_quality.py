@@ -7,7 +7,10 @@ Each recipe is `<optim>-<precision>` (optim: adamw | muon; precision: fp32 | bf1
 `train.py` in a subprocess on the default data and model with validation every `val_every` steps. The
 first validation at or below a threshold gives its training seconds (`time/train_s`, logged by the
 LightningModule from the start of fit), its step and its tokens; `total_s` is the whole command, from
-process start (imports, data preparation, the final checkpoint) to exit. Run it on a quiet machine.
+process start (imports, data preparation, the final checkpoint) to exit. `floor_s` beside each is the
+host's bound for those tokens: the seconds their training FLOPs take at the matmul peak the run measured
+(the denominator of its MFU), before any overhead; a bar below it needs fewer tokens or another host.
+Run it on a quiet machine.
 Every recipe keeps train.py's `compile=auto`, so the bf16 recipes of 500+ steps compile their blocks (the
 cold compile counts in their seconds); `extra=[compile=false]` times them eager.
 """
@@ -72,6 +75,13 @@ def first_reaching(rows: list[dict], threshold: float, tokens_per_step: int) -> 
     return None
 
 
+def seconds_per_token_at_peak(rows: list[dict]) -> float | None:
+    """Training FLOPs per token / the matmul peak, the median over the logged steps: each step's
+    `perf/mfu` / `perf/tokens_per_s` (both measured against the same peak by the LightningModule)."""
+    ratios = sorted(float(r["perf/mfu"]) / float(r["perf/tokens_per_s"]) for r in rows if r.get("perf/mfu"))
+    return ratios[len(ratios) // 2] if ratios else None
+
+
 def run_recipe(recipe: str, args: dict, workdir: Path) -> dict:
     optim, _, precision = recipe.partition("-")
     run_dir = workdir / recipe
@@ -92,10 +102,15 @@ def run_recipe(recipe: str, args: dict, workdir: Path) -> dict:
     if proc.returncode != 0:
         return {"recipe": recipe, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     with open(run_dir / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("val/bpc")]
+        logged = list(csv.DictReader(f))
+    rows = [r for r in logged if r.get("val/bpc")]
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     tokens_per_step = cfg.data.batch_size * cfg.data.max_len * cfg.trainer.accumulate_grad_batches
     reached = {f"{t:.2f}": first_reaching(rows, t, tokens_per_step) for t in args["thresholds"]}
+    at_peak = seconds_per_token_at_peak(logged)
+    for hit in reached.values():
+        if hit is not None and at_peak is not None:
+            hit["floor_s"] = hit["tokens"] * at_peak
     return {
         "recipe": recipe,
         "total_s": round(total_s, 1),
@@ -105,8 +120,12 @@ def run_recipe(recipe: str, args: dict, workdir: Path) -> dict:
     }
 
 
+def floor_cell(hit: dict) -> str:
+    return f"{hit['floor_s']:.1f}" if "floor_s" in hit else "?"  # no step logged its throughput
+
+
 def markdown(results: list[dict], thresholds: list[float]) -> str:
-    head = "| recipe | " + " | ".join(f"to {t:.2f}: s (steps, M tokens)" for t in thresholds)
+    head = "| recipe | " + " | ".join(f"to {t:.2f}: s (steps, M tokens; floor s)" for t in thresholds)
     lines = [head + " | final val bpc | whole command s |", "|---" * (len(thresholds) + 3) + "|"]
     for r in results:
         if "error" in r:
@@ -118,7 +137,7 @@ def markdown(results: list[dict], thresholds: list[float]) -> str:
             cells.append(
                 "not reached"
                 if hit is None
-                else f"{hit['train_s']} ({hit['step']}, {hit['tokens'] / 1e6:.2f})"
+                else f"{hit['train_s']} ({hit['step']}, {hit['tokens'] / 1e6:.2f}; {floor_cell(hit)})"
             )
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {r['final_bpc']} | {r['total_s']} |")
     return "\n".join(lines)

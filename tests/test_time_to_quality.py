@@ -21,6 +21,17 @@ def test_first_reaching_takes_the_first_validation_at_or_below_the_threshold():
     assert ttq.first_reaching(rows, 2.0, 10) is None
 
 
+def test_the_floor_is_the_median_seconds_per_token_at_the_matmul_peak():
+    rows = [
+        {"step": "9", "perf/mfu": "0.5", "perf/tokens_per_s": "1000"},  # 5e-4 s per token at the peak
+        {"step": "19", "perf/mfu": "0.6", "perf/tokens_per_s": "1000"},
+        {"step": "19", "val/bpc": "2.3", "perf/mfu": ""},  # a validation row carries no throughput
+        {"step": "29", "perf/mfu": "0.9", "perf/tokens_per_s": "3000"},
+    ]
+    assert ttq.seconds_per_token_at_peak(rows) == pytest.approx(5e-4)  # median of 3e-4, 5e-4, 6e-4
+    assert ttq.seconds_per_token_at_peak([{"step": "9", "val/bpc": "2.3"}]) is None
+
+
 @pytest.mark.parametrize("bad", ["recipes=[sgd-fp32]", "recipes=[muon-fp8]", "speed=11"])
 def test_bad_options_are_one_sentence(bad):
     with pytest.raises(SystemExit, match=r"^error: unknown (recipe|option)"):
@@ -42,4 +53,5 @@ def test_a_tiny_recipe_reports_time_steps_and_tokens(tmp_path):
     assert len(validations) == 4  # 20 steps, validated every 5
     first = result["reached"]["99.00"]  # every score is below 99: the first validation, after 5 steps
     assert first["step"] == 5 and first["tokens"] == 5 * 8 * 32 and first["train_s"] > 0
+    assert 0 < first["floor_s"] < first["train_s"]  # no run beats its own matmul peak
     assert result["reached"]["0.10"] is None and result["steps"] == 20
