@@ -56,6 +56,7 @@ from model.rope import RotaryEmbedding
 from scripts.export_gguf import gguf_writer, save
 from scripts.time_to_quality import main as time_to_quality_runs
 from scripts.time_to_quality import markdown as ttq_markdown
+from training.precision import AUTO, resolve_precision
 from training.throughput import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +84,11 @@ DEFAULTS = dict(
     peers=["transformers", "litgpt", "torchtune", "llama.cpp"],
     device="auto",
     precision="auto",  # auto: bf16 on GPU, fp32 on CPU; bf16 on a CPU with AMX (bf16 matmuls ~6x fp32) is an option
-    train_precisions=[
-        "bf16"
-    ],  # training is also timed under these autocasts (every side alike), beside `precision`
-    ttq=False,  # also run scripts/time_to_quality.py (real train.py runs: ~20 min on a 2-core CPU)
-    ttq_recipes=["adamw-bf16", "muon-bf16", "adamw-fp32"],
+    # training is also timed under these autocasts (every side alike), beside `precision`; auto: bf16
+    # where the device multiplies bf16 matrices natively (trainer.precision=auto's rule), else none
+    train_precisions=["auto"],
+    ttq=False,  # also run scripts/time_to_quality.py (real train.py runs: 10-40 min on a 2-core CPU)
+    ttq_recipes=["auto"],  # scripts/time_to_quality.py's auto: adamw and muon, fp32 and (natively) bf16
     ttq_thresholds=[2.10, 2.02],  # held-out val bpc of the default job
     threads=None,
     quick=False,
@@ -155,9 +156,22 @@ def check_args(args: dict) -> None:
         raise SystemExit(f"error: out={out} is not writable; choose another path.")
     if args["precision"] != "auto" and args["precision"] not in PRECISIONS:
         raise SystemExit(f"error: precision={args['precision']} is unknown; allowed are auto, fp32, bf16.")
-    bad = [p for p in args["train_precisions"] if p not in PRECISIONS]
+    bad = [p for p in args["train_precisions"] if p not in (*PRECISIONS, AUTO)]
     if bad:
-        raise SystemExit(f"error: train_precisions {bad} are unknown; allowed are {sorted(PRECISIONS)}.")
+        raise SystemExit(
+            f"error: train_precisions {bad} are unknown; allowed are {sorted([AUTO, *PRECISIONS])}."
+        )
+
+
+def resolve_train_precisions(names: list[str], device: torch.device) -> list[str]:
+    """`auto` -> bf16 where the device multiplies bf16 matrices natively, nothing elsewhere: emulated
+    bf16 matmuls would make the training section take hours."""
+    if AUTO not in names:
+        return names
+    precision, reason = resolve_precision(AUTO, device.type)
+    native = ["bf16"] if precision == "bf16-mixed" else []
+    print(f"[bench] train_precisions=[auto]: {native or 'no bf16 training rows'} ({reason})", file=sys.stderr)
+    return list(dict.fromkeys(n for name in names for n in (native if name == AUTO else [name])))
 
 
 class Progress:
@@ -872,6 +886,9 @@ def main(argv: list[str]) -> dict:
     if args["threads"]:
         torch.set_num_threads(int(args["threads"]))
     device = resolve_device(args["device"])
+    args["train_precisions"] = resolve_train_precisions(
+        list(args["train_precisions"]), device
+    )  # recorded as run
     peers, unavailable = import_peers(list(args["peers"]))
     if LLAMA_CPP in peers and not llama_cpp_runs(args, device):
         del peers[LLAMA_CPP]

@@ -1,6 +1,6 @@
 """Time to quality: wall-clock and tokens until the default job first reaches each validation score.
 
-    python scripts/time_to_quality.py                                   # adamw and muon, fp32 and bf16
+    python scripts/time_to_quality.py                                   # adamw and muon, fp32 (and bf16: below)
     python scripts/time_to_quality.py recipes=[muon-bf16] thresholds=[2.10,2.02] out=ttq.json
 
 Each recipe is `<optim>-<precision>` (optim: adamw | muon; precision: fp32 | bf16), trained by the real
@@ -10,7 +10,9 @@ LightningModule from the start of fit), its step and its tokens; `total_s` is th
 process start (imports, data preparation, the final checkpoint) to exit. `floor_s` beside each is the
 host's bound for those tokens: the seconds their training FLOPs take at the matmul peak the run measured
 (the denominator of its MFU), before any overhead; a bar below it needs fewer tokens or another host.
-Run it on a quiet machine.
+Run it on a quiet machine. `recipes=[auto]` (the default) is adamw and muon in fp32, and in bf16 too where
+`trainer.precision=auto` would pick it on the default `trainer=cpu` (a CPU with AMX or AVX-512 BF16):
+elsewhere bf16 matmuls are emulated and a default job in bf16 would take hours.
 Every recipe keeps train.py's `compile=auto`, so the bf16 recipes of 500+ steps compile their blocks (the
 cold compile counts in their seconds); `extra=[compile=false]` times them eager.
 """
@@ -29,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python s
 from omegaconf import OmegaConf
 
 from scripts.common import ROOT
+from training.precision import AUTO, resolve_precision
 
+OPTIMS = ("adamw", "muon")
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 DEFAULTS = dict(
-    recipes=["adamw-fp32", "adamw-bf16", "muon-fp32", "muon-bf16"],
+    recipes=[AUTO],  # auto: every optimizer in fp32, and in bf16 where this host multiplies bf16 natively
     thresholds=[2.10, 2.02],
     val_every=50,
     out="runs/ttq/ttq.json",
@@ -54,11 +58,24 @@ def parse_args(argv: list[str]) -> dict:
     args["thresholds"] = sorted((float(t) for t in args["thresholds"]), reverse=True)
     for recipe in args["recipes"]:
         optim, _, precision = recipe.partition("-")
-        if optim not in ("adamw", "muon") or precision not in PRECISIONS:
+        if recipe != AUTO and (optim not in OPTIMS or precision not in PRECISIONS):
             raise SystemExit(
-                f"error: unknown recipe {recipe!r}; use <adamw|muon>-<{'|'.join(PRECISIONS)}>, e.g. muon-bf16."
+                f"error: unknown recipe {recipe!r}; use auto or <{'|'.join(OPTIMS)}>-<{'|'.join(PRECISIONS)}>, "
+                "e.g. muon-bf16."
             )
+    args["recipes"] = expand_auto(args["recipes"])
     return args
+
+
+def expand_auto(recipes: list[str]) -> list[str]:
+    """`auto` -> each optimizer in fp32, and in bf16 where `trainer.precision=auto` picks bf16-mixed."""
+    if AUTO not in recipes:
+        return recipes
+    precision, reason = resolve_precision(AUTO, "cpu")  # train.py's default trainer (trainer=cpu)
+    precisions = ["fp32", "bf16"] if precision == "bf16-mixed" else ["fp32"]
+    print(f"[ttq] recipes=[auto]: {' and '.join(precisions)} ({reason})", file=sys.stderr)
+    auto = [f"{optim}-{p}" for optim in OPTIMS for p in precisions]
+    return list(dict.fromkeys(r for item in recipes for r in (auto if item == AUTO else [item])))
 
 
 def first_reaching(rows: list[dict], threshold: float, tokens_per_step: int) -> dict | None:

@@ -157,3 +157,26 @@ def test_quick_bench_times_training_in_every_requested_precision(tmp_path):
 def test_bench_refuses_an_unknown_training_precision(tmp_path):
     run = quick_bench("train_precisions=[fp8]", f"out={tmp_path / 'b.json'}")
     assert run.returncode != 0 and "train_precisions ['fp8'] are unknown" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "native, names, expected",
+    [
+        (True, ["auto"], ["bf16"]),
+        (False, ["auto"], []),  # emulated bf16: no training rows in it unless asked for by name
+        (False, ["bf16"], ["bf16"]),
+        (True, ["bf16", "auto"], ["bf16"]),
+        (False, ["fp32", "auto"], ["fp32"]),
+    ],
+)
+def test_auto_training_precisions_add_bf16_only_where_it_is_native(
+    monkeypatch, capsys, native, names, expected
+):
+    import torch
+
+    from scripts import bench
+
+    precision = "bf16-mixed" if native else "32-true"
+    monkeypatch.setattr(bench, "resolve_precision", lambda requested, accelerator: (precision, "the reason"))
+    assert bench.resolve_train_precisions(names, torch.device("cpu")) == expected
+    assert ("the reason" in capsys.readouterr().err) == ("auto" in names)

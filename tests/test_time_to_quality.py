@@ -32,6 +32,22 @@ def test_the_floor_is_the_median_seconds_per_token_at_the_matmul_peak():
     assert ttq.seconds_per_token_at_peak([{"step": "9", "val/bpc": "2.3"}]) is None
 
 
+@pytest.mark.parametrize(
+    "precision, expected",
+    [
+        ("bf16-mixed", ["adamw-fp32", "adamw-bf16", "muon-fp32", "muon-bf16"]),
+        ("32-true", ["adamw-fp32", "muon-fp32"]),  # no bf16 job where its matmuls would be emulated
+    ],
+)
+def test_auto_recipes_run_bf16_only_where_trainer_precision_auto_picks_it(monkeypatch, precision, expected):
+    monkeypatch.setattr(ttq, "resolve_precision", lambda requested, accelerator: (precision, "the reason"))
+    assert ttq.parse_args([])["recipes"] == expected  # the default is [auto]
+    assert ttq.parse_args(["recipes=[muon-bf16,auto]"])["recipes"] == list(
+        dict.fromkeys(["muon-bf16", *expected])
+    )
+    assert ttq.parse_args(["recipes=[adamw-bf16]"])["recipes"] == ["adamw-bf16"]  # named recipes run as given
+
+
 @pytest.mark.parametrize("bad", ["recipes=[sgd-fp32]", "recipes=[muon-fp8]", "speed=11"])
 def test_bad_options_are_one_sentence(bad):
     with pytest.raises(SystemExit, match=r"^error: unknown (recipe|option)"):
