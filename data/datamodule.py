@@ -56,8 +56,17 @@ def _window_pair(tokens: np.ndarray, starts: np.ndarray, max_len: int) -> tuple[
     return w[:, :-1], w[:, 1:]
 
 
+SAMPLINGS = ("random", "shuffled")
+
+
 class RandomWindows(IterableDataset):
-    """Yields whole training batches; batch i draws B window starts from an RNG seeded with (seed, i).
+    """Yields whole training batches; batch i's B window starts are a pure function of (seed, i).
+
+    `sampling="random"`: independent uniform starts from an RNG seeded with (seed, i), so in one epoch's
+    worth of batches some text is drawn twice and about 1/e of it never. `"shuffled"`: each epoch cuts the
+    tokens into non-overlapping windows at an offset drawn for that epoch and visits them in a shuffled
+    order, so every token is trained on once per epoch (but for the fewer than B windows that the epoch's
+    whole batches cannot hold, a different few each epoch).
 
     An "epoch" is len(self) batches (about one pass over the training tokens). Iteration starts at batch
     `self.consumed` and stops at the end of that epoch. With DataLoader workers, worker w yields batches
@@ -67,9 +76,17 @@ class RandomWindows(IterableDataset):
     """
 
     def __init__(
-        self, data: _TokenFile, batch_size: int, max_len: int, seed: int, recall: RecallMixer | None = None
+        self,
+        data: _TokenFile,
+        batch_size: int,
+        max_len: int,
+        seed: int,
+        recall: RecallMixer | None = None,
+        sampling: str = "random",
     ):
         self.data, self.batch_size, self.max_len, self.seed = data, batch_size, max_len, seed
+        self.sampling = sampling
+        self._epoch_starts: tuple[int, np.ndarray] | None = None  # (epoch, its shuffled starts): built once
         self.recall = recall  # data.recall: turns some training windows into recall windows (data/recall.py)
         self.consumed = (
             0  # batches taken by the training loop; advanced by TextDataModule.on_before_batch_transfer
@@ -82,13 +99,28 @@ class RandomWindows(IterableDataset):
     def batch(self, i: int) -> tuple[torch.Tensor, ...]:
         """(input, target), each (B, L) int64, plus (B, L) loss weights when the recall windows weigh
         their targets (data.recall.answer_weight or unstated_share)."""
-        rng = np.random.default_rng([self.seed, i])
-        starts = rng.integers(0, self.data.n - self.max_len, size=self.batch_size)  # last start n-max_len-1
-        x, y = _window_pair(self.data.tokens, starts, self.max_len)
+        x, y = _window_pair(self.data.tokens, self.starts(i), self.max_len)
         # every rank builds the whole batch (its RNG draws are shared) and keeps its rows
         full = (x, y) if self.recall is None else self.recall.mix(i, x, y)
         rows = self.batch_size // self.world
         return tuple(t[self.rank * rows : (self.rank + 1) * rows] for t in full)
+
+    def starts(self, i: int) -> np.ndarray:
+        """(B,) first tokens of batch i's windows; the last possible start is n - max_len - 1."""
+        if self.sampling == "random":
+            return np.random.default_rng([self.seed, i]).integers(
+                0, self.data.n - self.max_len, size=self.batch_size
+            )
+        epoch, j = divmod(i, len(self))
+        if self._epoch_starts is None or self._epoch_starts[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch, 1])  # its own stream: never batch (seed, i)'s
+            offset = rng.integers(0, min(self.max_len, self.data.n - self.max_len))
+            self._epoch_starts = (
+                epoch,
+                rng.permutation(np.arange(offset, self.data.n - self.max_len, self.max_len)),
+            )
+        order = self._epoch_starts[1]
+        return order[np.arange(j * self.batch_size, (j + 1) * self.batch_size) % len(order)]
 
     def __iter__(self):
         info = get_worker_info()
@@ -153,8 +185,12 @@ class TextDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         token_dtype: str | None = None,
         recall: Mapping | None = None,
+        sampling: str = "random",
     ):
         super().__init__()
+        if sampling not in SAMPLINGS:
+            raise DataError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}.")
+        self.sampling = sampling
         self.source = _plain(source)
         self.recall = RecallConfig.from_options(recall)  # data.recall; None = no recall windows
         # Held-out windows per batch; fixed in a data config so changing batch_size keeps the same val set.
@@ -199,7 +235,7 @@ class TextDataModule(L.LightningDataModule):
                 else None
             )
             self.train_set = RandomWindows(
-                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed, mixer
+                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed, mixer, self.sampling
             )
             self.train_set.consumed = self._resume_batches
 

@@ -402,6 +402,36 @@ def test_datamodule_windows_shapes_targets_and_seed(tmp_path):
     assert not torch.equal(other[0], batches[0][0])
 
 
+def test_shuffled_sampling_trains_on_every_window_once_per_epoch(tmp_path):
+    dm = _dm(tmp_path, seed=7, sampling="shuffled")
+    tokens, windows = dm.cache.tokens("train"), dm.train_set
+    epoch = [windows.starts(i) for i in range(2 * len(windows))]
+    first, second = np.concatenate(epoch[: len(windows)]), np.concatenate(epoch[len(windows) :])
+    for starts in (
+        first,
+        second,
+    ):  # one offset per epoch, then the non-overlapping windows from it, each once
+        offset = starts.min()
+        cut = range(offset, len(tokens) - 32, 32)
+        assert offset < 32 and set(starts.tolist()) <= set(cut)
+        assert len(set(starts.tolist())) == min(
+            len(starts), len(cut)
+        )  # all but what whole batches cannot hold
+    assert first.min() != second.min() or not np.array_equal(
+        first, second
+    )  # each epoch its own cut and order
+    x, y = next(iter(dm.train_dataloader()))
+    s = epoch[0][0]
+    assert x[0].tolist() == tokens[s : s + 32].tolist() and y[0].tolist() == tokens[s + 1 : s + 33].tolist()
+    fresh = _dm(tmp_path, seed=7, sampling="shuffled").train_set  # a pure function of (seed, i): resumable
+    assert all(np.array_equal(fresh.starts(i), epoch[i]) for i in reversed(range(len(epoch))))
+
+
+def test_an_unknown_sampling_is_one_sentence(tmp_path):
+    with pytest.raises(DataError, match=r"^sampling must be one of random, shuffled, got 'sorted'\.$"):
+        _dm(tmp_path, sampling="sorted")
+
+
 def test_datamodule_eval_windows_are_contiguous_and_capped(tmp_path):
     dm = _dm(
         tmp_path, source=_small_source(tmp_path, n_files=12), val_max_batches=None, batch_size=2, max_len=16
