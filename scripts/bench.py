@@ -56,7 +56,7 @@ from model.rope import RotaryEmbedding
 from scripts.export_gguf import gguf_writer, save
 from scripts.time_to_quality import main as time_to_quality_runs
 from scripts.time_to_quality import markdown as ttq_markdown
-from training.precision import AUTO, resolve_precision
+from training.precision import AUTO, bf16_is_native, expand_auto
 from training.throughput import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,10 +168,12 @@ def resolve_train_precisions(names: list[str], device: torch.device) -> list[str
     bf16 matmuls would make the training section take hours."""
     if AUTO not in names:
         return names
-    precision, reason = resolve_precision(AUTO, device.type)
-    native = ["bf16"] if precision == "bf16-mixed" else []
-    print(f"[bench] train_precisions=[auto]: {native or 'no bf16 training rows'} ({reason})", file=sys.stderr)
-    return list(dict.fromkeys(n for name in names for n in (native if name == AUTO else [name])))
+    native, reason = bf16_is_native(device.type)
+    print(
+        f"[bench] train_precisions=[auto]: {'' if native else 'no '}bf16 training rows ({reason})",
+        file=sys.stderr,
+    )
+    return expand_auto(names, ["bf16"] if native else [])
 
 
 class Progress:
@@ -886,9 +888,8 @@ def main(argv: list[str]) -> dict:
     if args["threads"]:
         torch.set_num_threads(int(args["threads"]))
     device = resolve_device(args["device"])
-    args["train_precisions"] = resolve_train_precisions(
-        list(args["train_precisions"]), device
-    )  # recorded as run
+    # the precisions that will run, recorded in the output as such
+    args["train_precisions"] = resolve_train_precisions(list(args["train_precisions"]), device)
     peers, unavailable = import_peers(list(args["peers"]))
     if LLAMA_CPP in peers and not llama_cpp_runs(args, device):
         del peers[LLAMA_CPP]

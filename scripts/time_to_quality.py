@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python s
 from omegaconf import OmegaConf
 
 from scripts.common import ROOT
-from training.precision import AUTO, resolve_precision
+from training.precision import AUTO, bf16_is_native, expand_auto
 
 OPTIMS = ("adamw", "muon")
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
@@ -63,19 +63,18 @@ def parse_args(argv: list[str]) -> dict:
                 f"error: unknown recipe {recipe!r}; use auto or <{'|'.join(OPTIMS)}>-<{'|'.join(PRECISIONS)}>, "
                 "e.g. muon-bf16."
             )
-    args["recipes"] = expand_auto(args["recipes"])
+    args["recipes"] = resolve_recipes(args["recipes"])
     return args
 
 
-def expand_auto(recipes: list[str]) -> list[str]:
+def resolve_recipes(recipes: list[str]) -> list[str]:
     """`auto` -> each optimizer in fp32, and in bf16 where `trainer.precision=auto` picks bf16-mixed."""
     if AUTO not in recipes:
         return recipes
-    precision, reason = resolve_precision(AUTO, "cpu")  # train.py's default trainer (trainer=cpu)
-    precisions = ["fp32", "bf16"] if precision == "bf16-mixed" else ["fp32"]
+    native, reason = bf16_is_native("cpu")  # train.py's default trainer (trainer=cpu)
+    precisions = ["fp32", "bf16"] if native else ["fp32"]
     print(f"[ttq] recipes=[auto]: {' and '.join(precisions)} ({reason})", file=sys.stderr)
-    auto = [f"{optim}-{p}" for optim in OPTIMS for p in precisions]
-    return list(dict.fromkeys(r for item in recipes for r in (auto if item == AUTO else [item])))
+    return expand_auto(recipes, [f"{optim}-{p}" for optim in OPTIMS for p in precisions])
 
 
 def first_reaching(rows: list[dict], threshold: float, tokens_per_step: int) -> dict | None:

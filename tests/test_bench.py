@@ -176,7 +176,6 @@ def test_auto_training_precisions_add_bf16_only_where_it_is_native(
 
     from scripts import bench
 
-    precision = "bf16-mixed" if native else "32-true"
-    monkeypatch.setattr(bench, "resolve_precision", lambda requested, accelerator: (precision, "the reason"))
+    monkeypatch.setattr(bench, "bf16_is_native", lambda accelerator: (native, "the reason"))
     assert bench.resolve_train_precisions(names, torch.device("cpu")) == expected
     assert ("the reason" in capsys.readouterr().err) == ("auto" in names)

@@ -21,3 +21,13 @@ def test_auto_precision_follows_the_cpu(monkeypatch, flags, accelerator, expecte
     chosen, why = precision.resolve_precision("auto", accelerator)
     assert chosen == expected and why
     assert precision.resolve_precision("32-true", accelerator) == ("32-true", "set explicitly")
+    assert precision.bf16_is_native(accelerator) == (expected == "bf16-mixed", why)
+
+
+def test_expand_auto_replaces_each_auto_and_keeps_first_occurrences():
+    from training.precision import expand_auto
+
+    assert expand_auto(["auto"], ["a-fp32", "a-bf16"]) == ["a-fp32", "a-bf16"]
+    assert expand_auto(["a-bf16", "auto", "b-fp32"], ["a-fp32", "a-bf16"]) == ["a-bf16", "a-fp32", "b-fp32"]
+    assert expand_auto(["auto", "fp32"], []) == ["fp32"]  # auto may stand for nothing
+    assert expand_auto(["fp32", "bf16"], ["x"]) == ["fp32", "bf16"]

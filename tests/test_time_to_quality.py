@@ -40,7 +40,7 @@ def test_the_floor_is_the_median_seconds_per_token_at_the_matmul_peak():
     ],
 )
 def test_auto_recipes_run_bf16_only_where_trainer_precision_auto_picks_it(monkeypatch, precision, expected):
-    monkeypatch.setattr(ttq, "resolve_precision", lambda requested, accelerator: (precision, "the reason"))
+    monkeypatch.setattr(ttq, "bf16_is_native", lambda accelerator: (precision == "bf16-mixed", "the reason"))
     assert ttq.parse_args([])["recipes"] == expected  # the default is [auto]
     assert ttq.parse_args(["recipes=[muon-bf16,auto]"])["recipes"] == list(
         dict.fromkeys(["muon-bf16", *expected])

@@ -35,3 +35,15 @@ def resolve_precision(requested: str | int, accelerator: str) -> tuple[str, str]
     if native:
         return "bf16-mixed", f"{native[0]}: this CPU multiplies bf16 matrices natively, faster than fp32"
     return "32-true", "this CPU has no bf16 matrix instructions (amx_bf16, avx512_bf16): fp32 is faster"
+
+
+def bf16_is_native(accelerator: str) -> tuple[bool, str]:
+    """Whether `trainer.precision=auto` picks bf16-mixed on `accelerator`, and the reason in words."""
+    precision, reason = resolve_precision(AUTO, accelerator)
+    return precision == "bf16-mixed", reason
+
+
+def expand_auto(items: list[str], expansion: list[str]) -> list[str]:
+    """`items` with each `auto` replaced by `expansion`, repeats dropped (first kept): the `auto` entry of
+    the benchmarks' precision and recipe lists."""
+    return list(dict.fromkeys(x for item in items for x in (expansion if item == AUTO else [item])))
