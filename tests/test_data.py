@@ -407,19 +407,15 @@ def test_shuffled_sampling_trains_on_every_window_once_per_epoch(tmp_path):
     tokens, windows = dm.cache.tokens("train"), dm.train_set
     epoch = [windows.starts(i) for i in range(2 * len(windows))]
     first, second = np.concatenate(epoch[: len(windows)]), np.concatenate(epoch[len(windows) :])
-    for starts in (
-        first,
-        second,
-    ):  # one offset per epoch, then the non-overlapping windows from it, each once
+    # one offset per epoch, then the non-overlapping windows from it, each once
+    for starts in (first, second):
         offset = starts.min()
         cut = range(offset, len(tokens) - 32, 32)
         assert offset < 32 and set(starts.tolist()) <= set(cut)
-        assert len(set(starts.tolist())) == min(
-            len(starts), len(cut)
-        )  # all but what whole batches cannot hold
-    assert first.min() != second.min() or not np.array_equal(
-        first, second
-    )  # each epoch its own cut and order
+        # all of them but what the epoch's whole batches cannot hold
+        assert len(set(starts.tolist())) == min(len(starts), len(cut))
+    # each epoch its own cut and order
+    assert first.min() != second.min() or not np.array_equal(first, second)
     x, y = next(iter(dm.train_dataloader()))
     s = epoch[0][0]
     assert x[0].tolist() == tokens[s : s + 32].tolist() and y[0].tolist() == tokens[s + 1 : s + 33].tolist()
