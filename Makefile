@@ -15,12 +15,14 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-install only when a requirements file changed (fast no-op otherwise).
-$(STAMP): requirements.txt requirements-dev.txt | $(VENV)/bin/python
+# The project itself goes in editable (--no-deps: its pins are requirements.txt's), so nothing needs sys.path.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP) ## Create .venv and install pinned runtime + dev dependencies (idempotent)
+setup: $(STAMP) ## Create .venv, install the pinned dependencies and the project (editable; idempotent)
 
 train: setup ## Train the default small model on embedded Shakespeare (CPU: ~4-6 min with bf16 matmuls, up to 15 in fp32); ARGS="key=value ..."
 	$(PY) train.py $(ARGS)
@@ -49,7 +51,7 @@ $(VENV)/.gguf-installed: requirements-gguf.txt $(STAMP)
 gguf: setup $(VENV)/.gguf-installed ## Install the llama.cpp extra (requirements-gguf.txt; compiles llama.cpp once)
 
 bench: setup $(VENV)/.bench-installed $(VENV)/.gguf-installed ## Side-by-side speed vs transformers, litgpt and llama.cpp (writes bench.json); ARGS="key=value ..."
-	$(PY) scripts/bench.py $(ARGS)
+	$(PY) tools/bench.py $(ARGS)
 
 eval: setup ## Perplexity vs length for every RoPE method; default ARGS="ckpt=runs/default out=runs/eval/default"
 	$(PY) scripts/eval_extrapolation.py $(or $(ARGS),ckpt=runs/default out=runs/eval/default)

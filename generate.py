@@ -20,10 +20,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.tokenizer import Tokenizer
-from inference.checkpoint import LoadedCheckpoint
-from inference.cli import one_sentence_errors
-from inference.generation import (
+from rope_llama.core.checkpoint import LoadedCheckpoint
+from rope_llama.core.cli import one_sentence_errors
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
@@ -32,7 +32,7 @@ from inference.generation import (
     position_buckets,
     score_tokens,
 )
-from inference.loading import load_model
+from rope_llama.inference.loading import load_model
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from inference.checkpoint import (
+from rope_llama.core.checkpoint import (
     CheckpointError,
     check_weights_fit,
     differing_settings,
@@ -29,13 +29,13 @@ from inference.checkpoint import (
     model_state_from_checkpoint,
     safe_load,
 )
-from inference.cli import USER_ERRORS, build, one_sentence_errors
-from training.callbacks import AtomicCheckpointIO, NewRunDirectories
-from training.compile import resolve_compile
-from training.loggers import finish_wandb
-from training.module import LitLlama, NonFiniteLossError
-from training.optim import resolve_muon_dtype
-from training.precision import resolve_precision
+from rope_llama.core.cli import USER_ERRORS, build, one_sentence_errors
+from rope_llama.core.precision import resolve_precision
+from rope_llama.training.callbacks import AtomicCheckpointIO, NewRunDirectories
+from rope_llama.training.compile import resolve_compile
+from rope_llama.training.loggers import finish_wandb
+from rope_llama.training.module import LitLlama, NonFiniteLossError
+from rope_llama.training.optim import resolve_muon_dtype
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere

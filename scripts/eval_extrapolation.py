@@ -12,11 +12,8 @@ and loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
 
 import hydra
 import matplotlib
@@ -24,8 +21,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from inference.cli import one_sentence_errors
-from inference.evaluation import (
+from rope_llama import CONFIGS
+from rope_llama.core.cli import one_sentence_errors
+from rope_llama.inference.evaluation import (
     bootstrap_mean,
     bucket_curve,
     perplexity,
@@ -34,10 +32,9 @@ from inference.evaluation import (
     split_windows,
     window_losses,
 )
-from inference.generation import check_integer, check_scoring
-from inference.loading import load_model
-from scripts.common import (
-    CONFIGS,
+from rope_llama.inference.generation import check_integer, check_scoring
+from rope_llama.inference.loading import load_model
+from rope_llama.inference.options import (
     check_common,
     long_documents,
     method_extends,
@@ -48,6 +45,7 @@ from scripts.common import (
     with_largest_cache,
     write_csv,
 )
+from rope_llama.inference.reporting import fmt
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -119,10 +117,6 @@ def evaluate_grid(
             )
             windows_seen[doc] += 1
     return rows, curves, per_window
-
-
-def fmt(value: float) -> str:
-    return f"{value:,.2f}" if value < 1e5 else f"{value:.2e}"
 
 
 def markdown_tables(rows: list[dict], header: str) -> str:

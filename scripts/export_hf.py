@@ -12,11 +12,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/export_hf.py`
 
 import hydra
 from omegaconf import DictConfig
@@ -24,12 +21,13 @@ from safetensors.torch import save_file
 from tokenizers import processors
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-from data.tokenizer import BOS, EOS, Tokenizer
-from inference.checkpoint import load_checkpoint, resolve_checkpoint
-from inference.cli import one_sentence_errors
-from model.hf import hf_config_dict, to_hf_state_dict
-from model.rope import ntk_base
-from scripts.common import CONFIGS, require
+from rope_llama import CONFIGS
+from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
+from rope_llama.core.cli import one_sentence_errors
+from rope_llama.data.tokenizer import BOS, EOS, Tokenizer
+from rope_llama.inference.options import require
+from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
+from rope_llama.model.rope import ntk_base
 
 
 def check_out(out: Path, overwrite: bool) -> None:

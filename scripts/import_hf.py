@@ -14,11 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/import_hf.py`
 
 import hydra
 from omegaconf import DictConfig
@@ -26,12 +23,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from data.tokenizer import Tokenizer
-from inference.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
-from inference.cli import one_sentence_errors
-from model.hf import from_hf_state_dict, model_config_from_hf
-from model.llama import Llama
-from scripts.common import CONFIGS, require
+from rope_llama import CONFIGS
+from rope_llama.core.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
+from rope_llama.core.cli import one_sentence_errors
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.options import require
+from rope_llama.interchange.hf import from_hf_state_dict, model_config_from_hf
+from rope_llama.model.llama import Llama
 
 
 def load_safetensors(path: Path) -> dict:

@@ -17,10 +17,7 @@ method). Options: configs/passkey.yaml.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
 
 import hydra
 import matplotlib
@@ -29,25 +26,14 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from data.tokenizer import Tokenizer
-from inference.cli import one_sentence_errors
-from inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
-from inference.generation import check_integer, generation_bytes
-from inference.loading import load_model
-from inference.memory import check_fits
-from inference.retrieval import (
-    GREEDY_MISSES,
-    TASKS,
-    RetrievalPrompt,
-    answer_correct,
-    build_prompt,
-    check_task_options,
-    greedy_miss,
-    random_keys,
-)
-from inference.stats import wilson_interval
-from scripts.common import (
-    CONFIGS,
+from rope_llama import CONFIGS
+from rope_llama.core.cli import one_sentence_errors
+from rope_llama.core.memory import check_fits
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
+from rope_llama.inference.generation import check_integer, generation_bytes
+from rope_llama.inference.loading import load_model
+from rope_llama.inference.options import (
     check_common,
     method_extends,
     method_names,
@@ -57,6 +43,18 @@ from scripts.common import (
     with_largest_cache,
     write_csv,
 )
+from rope_llama.inference.reporting import miss_column, miss_shares, plot_vs_length
+from rope_llama.inference.retrieval import (
+    GREEDY_MISSES,
+    TASKS,
+    RetrievalPrompt,
+    answer_correct,
+    build_prompt,
+    check_task_options,
+    greedy_miss,
+    random_keys,
+)
+from rope_llama.inference.stats import wilson_interval
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -119,18 +117,6 @@ def answer_prompts(
     return out_rows
 
 
-def miss_column(kind: str) -> str:
-    """The accuracy tables' column of a greedy miss kind ("prose first" -> "miss_prose_first")."""
-    return "miss_" + kind.replace(" ", "_")
-
-
-def miss_shares(rows: list[dict]) -> dict[str, float]:
-    """Each greedy miss kind's share of the trials `rows` (their `greedy_miss`): with the greedy accuracy they add up to 1."""
-    return {
-        miss_column(kind): sum(r["greedy_miss"] == kind for r in rows) / len(rows) for kind in GREEDY_MISSES
-    }
-
-
 def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
     """Greedy and ranking accuracy of the trials grouped by the keys `by` (in first-seen order), with
     the Wilson 95% interval of the greedy accuracy, the share of each kind of greedy miss (`greedy_miss`),
@@ -178,27 +164,6 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.0%}", ha="center", va="center", color="white" if v < 0.5 else "black")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_vs_length(table: list[dict], task: str, path: Path, metric: str = "greedy") -> None:
-    """`metric` accuracy (row keys <metric>_acc, _low, _high) vs prompt length, one line per method,
-    shaded by its Wilson 95% interval."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(r["method"] for r in table):
-        rows = sorted((r for r in table if r["method"] == method), key=lambda r: r["length"])
-        lengths = [r["length"] for r in rows]
-        ax.plot(lengths, [r[f"{metric}_acc"] for r in rows], marker="o", label=method)
-        ax.fill_between(
-            lengths, [r[f"{metric}_low"] for r in rows], [r[f"{metric}_high"] for r in rows], alpha=0.15
-        )
-    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel=f"{metric} accuracy", ylim=(-0.02, 1.02))
-    ax.set_xticks(sorted({r["length"] for r in table}), labels=sorted({r["length"] for r in table}))
-    ax.minorticks_off()  # the log axis' minor labels ("3 x 10^2") overprint the lengths
-    ax.set_title(f"{task}: accuracy vs length (bands: Wilson 95%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

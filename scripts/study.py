@@ -39,19 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python scripts/x.py` from anywhere
-
 import matplotlib
 import numpy as np
 from omegaconf import OmegaConf
 
-from inference.checkpoint import resolve_checkpoint
-from inference.cli import USER_ERRORS, one_sentence_errors
-from inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
-from inference.stats import pairwise_markdown, pairwise_table, wilson_interval
-from scripts.common import ROOT, write_csv
-from scripts.eval_extrapolation import fmt
-from scripts.passkey import miss_column, miss_shares, plot_vs_length
+from rope_llama import ROOT
+from rope_llama.core.checkpoint import resolve_checkpoint
+from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
+from rope_llama.inference.options import write_csv
+from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
+from rope_llama.inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
+from rope_llama.inference.stats import pairwise_markdown, pairwise_table, wilson_interval
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)

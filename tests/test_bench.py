@@ -174,7 +174,7 @@ def test_auto_training_precisions_add_bf16_only_where_it_is_native(
 ):
     import torch
 
-    from scripts import bench
+    from tools import bench
 
     monkeypatch.setattr(bench, "bf16_is_native", lambda accelerator: (native, "the reason"))
     assert bench.resolve_train_precisions(names, torch.device("cpu")) == expected

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
+from rope_llama.core.checkpoint import atomic_torch_save, file_sha256, load_checkpoint, safe_load
 from tests.helpers import (
     CONFIGS,
     ROOT,
@@ -270,7 +270,7 @@ def corrupt_token_cache(ctx: dict, request) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from data.cache import prepare
+    from rope_llama.data.cache import prepare
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         data = compose("train", overrides=ctx["TINY"]).data  # the data settings train.py will see

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import training.compile as compile_mod
+import rope_llama.training.compile as compile_mod
 
 LONG = compile_mod.MIN_STEPS
 
@@ -12,7 +12,8 @@ LONG = compile_mod.MIN_STEPS
 @pytest.fixture
 def amx_cpu_with_compiler(monkeypatch):
     """A CPU whose precision=auto resolves to bf16-mixed, with g++ on the PATH and no $CXX."""
-    monkeypatch.setattr("training.precision.cpu_flags", lambda: {"amx_bf16"})
+    monkeypatch.delenv("ROPE_LLAMA_FORCE_CPU_BF16", raising=False)  # the patched flags decide
+    monkeypatch.setattr("rope_llama.core.precision.cpu_flags", lambda: {"amx_bf16"})
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(
         compile_mod.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "g++" else None

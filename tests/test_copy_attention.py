@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.retrieval import NEEDLE, QUESTION, passkey_prompt
-from scripts.copy_attention import (
+from rope_llama.inference.retrieval import NEEDLE, QUESTION, passkey_prompt
+from tests.helpers import save_run, tiny
+from tools.copy_attention import (
     CopyAttentionConfig,
     answer_positions,
     asking,
@@ -16,7 +17,6 @@ from scripts.copy_attention import (
     report,
     without_needle,
 )
-from tests.helpers import save_run, tiny
 
 
 def test_answer_positions_split_the_needle_from_the_filler(macbeth_tokenizer):

@@ -5,8 +5,8 @@ import importlib.metadata
 import pytest
 from omegaconf import OmegaConf
 
-from data import DataError
-from data.sources import KJV_DIST, KJV_TEST, KJV_VAL, kjv_books, load_documents, source_fingerprint
+from rope_llama.data import DataError
+from rope_llama.data.sources import KJV_DIST, KJV_TEST, KJV_VAL, kjv_books, load_documents, source_fingerprint
 from tests.helpers import CONFIGS
 
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import data.cache as cache_mod
-from data import DataError
-from data.cache import invalid_reason, prepare
-from data.markdown import play_to_text
-from data.sources import carve_holdout, load_documents, shakespeare_plays
-from data.tokenizer import Tokenizer, train_tokenizer
+import rope_llama.data.cache as cache_mod
+from rope_llama.data import DataError
+from rope_llama.data.cache import invalid_reason, prepare
+from rope_llama.data.markdown import play_to_text
+from rope_llama.data.sources import carve_holdout, load_documents, shakespeare_plays
+from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,7 +359,7 @@ def test_bad_inputs_raise_data_error(tmp_path):
 
 
 def test_max_len_longer_than_train_split_raises(tmp_path):
-    from data import TextDataModule
+    from rope_llama.data import TextDataModule
 
     dm = TextDataModule(
         source=_small_source(tmp_path), max_len=100_000, vocab_size=VOCAB, cache_dir=str(tmp_path / "c")
@@ -372,7 +372,7 @@ def test_max_len_longer_than_train_split_raises(tmp_path):
 
 # -- DataModule -------------------------------------------------------------------------------------------------
 def _dm(tmp_path, **kw):
-    from data import TextDataModule
+    from rope_llama.data import TextDataModule
 
     if "source" not in kw:  # writing the corpus again changes its mtimes, hence the cache key
         kw["source"] = _small_source(tmp_path)

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.tokenizer import Tokenizer
-from inference import memory
-from inference.checkpoint import load_checkpoint
-from inference.evaluation import (
+from rope_llama.core import memory
+from rope_llama.core.checkpoint import load_checkpoint
+from rope_llama.core.memory import MemoryBudgetError
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.evaluation import (
     answer_and_rank,
     bootstrap_mean,
     continuation_logprobs,
@@ -33,18 +34,17 @@ from inference.evaluation import (
     split_windows,
     window_losses,
 )
-from inference.generation import GREEDY, check_scoring, generate, score_tokens
-from inference.memory import MemoryBudgetError
-from inference.retrieval import GREEDY_MISSES, build_prompt, first_integer
-from inference.stats import wilson_interval
-from model.config import ModelConfig
-from model.llama import Llama
-from model.rope import RopeConfig
+from rope_llama.inference.generation import GREEDY, check_scoring, generate, score_tokens
+from rope_llama.inference.options import datamodule_for, method_ropes
+from rope_llama.inference.retrieval import GREEDY_MISSES, build_prompt, first_integer
+from rope_llama.inference.stats import wilson_interval
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig
+from rope_llama.training.module import LitLlama
 from scripts import eval_extrapolation, passkey, study
-from scripts.common import datamodule_for, method_ropes
 from tests.helpers import CONFIGS, L0, ROOT, compose_train, small_corpus, tiny_overrides
 from train import train
-from training.module import LitLlama
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.tokenizer import train_tokenizer
-from inference.checkpoint import file_sha256, load_checkpoint
-from inference.generation import GREEDY, generate
-from inference.loading import load_model
-from model.rope import RopeConfig
+from rope_llama.core.checkpoint import file_sha256, load_checkpoint
+from rope_llama.data.tokenizer import train_tokenizer
+from rope_llama.inference.generation import GREEDY, generate
+from rope_llama.inference.loading import load_model
+from rope_llama.model.rope import RopeConfig
 from scripts.export_hf import export, main
 from scripts.import_hf import import_hf
 from tests.helpers import L0, ROOT, ROPES, write_checkpoint

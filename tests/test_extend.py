@@ -10,11 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.evaluation import method_extend, split_method
-from inference.generation import GREEDY, GenerationError, compiled_fixed_shape_step, generate, score_tokens
-from kernels import use_kernels
-from model.config import ModelConfig
-from model.extend import (
+from rope_llama.inference.evaluation import method_extend, split_method
+from rope_llama.inference.generation import (
+    GREEDY,
+    GenerationError,
+    compiled_fixed_shape_step,
+    generate,
+    score_tokens,
+)
+from rope_llama.interchange.hf import ExportError
+from rope_llama.kernels import use_kernels
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.extend import (
     ExtendConfig,
     grouped_key_positions,
     grouped_query_positions,
@@ -25,10 +32,9 @@ from model.extend import (
     override_extend,
     self_extend_reach,
 )
-from model.hf import ExportError
-from model.kv_cache import KVCache
-from model.llama import Llama
-from model.rope import RopeConfig
+from rope_llama.model.kv_cache import KVCache
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig
 from tests.helpers import L0, ROPES, TEXT, run_generate_main, save_run, text_tokenizer, tiny
 
 

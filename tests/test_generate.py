@@ -15,8 +15,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import generate as cli
-from inference.checkpoint import atomic_torch_save
-from inference.generation import (
+from rope_llama.core.checkpoint import atomic_torch_save
+from rope_llama.inference.generation import (
     GREEDY,
     Generation,
     GenerationError,
@@ -28,10 +28,10 @@ from inference.generation import (
     sample,
     score_tokens,
 )
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.llama import Llama
-from model.rope import RopeConfig
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.kv_cache import KVCache
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig
 from tests.helpers import L0, TEXT, run_generate_main, save_run, text_tokenizer, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ NATIVE_ROPES = {  # every RoPE setting the C step must reproduce (it reads only 
 def native_logits(model: Llama, prompt: list[int], steps: int, start_pos: int) -> tuple[list, list]:
     """Greedy decode through the C step: (per-step logits, the full forward's logits at the same spots).
     The full forward runs into a fresh cache only to keep dynamic NTK's length fixed, as generate does."""
-    from kernels.cpu_decode import NativeStep
+    from rope_llama.kernels.cpu_decode import NativeStep
 
     capacity = len(prompt) + steps
     cache = KVCache.for_model(model, 1, capacity, seq_len=start_pos + capacity)
@@ -254,7 +254,7 @@ def test_native_decode_refuses_what_it_cannot_compute(model, tok):
 
 
 def test_native_build_errors_are_one_sentence_and_leave_no_library(tmp_path, monkeypatch):
-    from kernels.cpu_decode import NativeDecodeUnavailable, build, c_compiler
+    from rope_llama.kernels.cpu_decode import NativeDecodeUnavailable, build, c_compiler
 
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(NativeDecodeUnavailable, match="'no-such-compiler' was not found"):
@@ -640,7 +640,7 @@ def test_cli_unknown_rope_group_is_a_config_error(run_dir, monkeypatch, capsys):
 
 def test_native_library_is_keyed_by_the_cpu(monkeypatch, tmp_path):
     """-march=native code from one CPU can crash another: a CPU with other features builds its own."""
-    import kernels.cpu_decode as cpu_decode
+    import rope_llama.kernels.cpu_decode as cpu_decode
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for features in ("flags: fpu avx2", "flags: fpu avx2 avx512f"):
@@ -657,7 +657,7 @@ def test_native_portable_path_equals_the_full_forward(tok, monkeypatch, tmp_path
     """CPUs without AVX-512 take the C step's AVX2 loops, CPUs without AVX2 (and other compilers) its
     portable ones: built here with those instructions switched off, each must match the full forward as
     the -march=native build does."""
-    import kernels.cpu_decode as cpu_decode
+    import rope_llama.kernels.cpu_decode as cpu_decode
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, switch_off])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from scripts.induction_probe import ProbeConfig, repeat_windows, run
+from tools.induction_probe import ProbeConfig, repeat_windows, run
 
 
 def test_copy_mask_marks_the_targets_inside_repeated_segments():

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import KERNELS, use_kernels
-from kernels.loss import linear_cross_entropy
-from kernels.rms_norm import KernelRMSNorm
-from kernels.rope import _broadcasts_into
-from kernels.rope import apply_rotary as kernel_apply_rotary
-from kernels.swiglu import silu_mul
-from model.config import ModelConfig
-from model.llama import Llama
-from model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+from rope_llama.kernels import KERNELS, use_kernels
+from rope_llama.kernels.loss import linear_cross_entropy
+from rope_llama.kernels.rms_norm import KernelRMSNorm
+from rope_llama.kernels.rope import _broadcasts_into
+from rope_llama.kernels.rope import apply_rotary as kernel_apply_rotary
+from rope_llama.kernels.swiglu import silu_mul
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -365,7 +365,7 @@ TINY_BENCH = ["shape=tiny", "vocab=64", "batch=2", "seq_len=16", "repeats=2"]
 
 def test_bench_kernels_smoke(capsys):
     """scripts/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
-    from scripts.bench_kernels import main
+    from tools.bench_kernels import main
 
     main([*TINY_BENCH, "precisions=[fp32,bf16]", "warmup=0"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| fp32", "| bf16"))]
@@ -375,7 +375,7 @@ def test_bench_kernels_smoke(capsys):
 @pytest.mark.slow
 def test_bench_kernels_compares_compiled_blocks(capsys):
     """compare=compile times a model with its blocks compiled beside an eager one, in the precisions asked."""
-    from scripts.bench_kernels import main
+    from tools.bench_kernels import main
 
     main(["compare=compile", "precisions=[fp32]", *TINY_BENCH])
     out = capsys.readouterr().out
@@ -386,7 +386,7 @@ def test_bench_kernels_compares_compiled_blocks(capsys):
 
 def test_bench_kernels_compares_muons_newton_schulz_dtypes(capsys):
     """compare=muon_dtype times optim=muon's step with its Newton-Schulz iterations in bf16 and in fp32."""
-    from scripts.bench_kernels import main
+    from tools.bench_kernels import main
 
     main(["compare=muon_dtype", "precisions=[fp32]", *TINY_BENCH])
     out = capsys.readouterr().out
@@ -399,9 +399,10 @@ def test_bench_kernels_compares_muons_newton_schulz_dtypes(capsys):
     "flags, precisions", [("fpu avx2 amx_bf16", ["fp32", "bf16"]), ("fpu avx2", ["fp32"])]
 )
 def test_bench_kernels_times_bf16_only_where_the_cpu_multiplies_it_natively(flags, precisions, monkeypatch):
-    from scripts.bench_kernels import parse
+    from tools.bench_kernels import parse
 
-    monkeypatch.setattr("training.precision.cpu_flags", lambda: set(flags.split()))
+    monkeypatch.delenv("ROPE_LLAMA_FORCE_CPU_BF16", raising=False)  # the patched flags decide
+    monkeypatch.setattr("rope_llama.core.precision.cpu_flags", lambda: set(flags.split()))
     assert parse([])["precisions"] == precisions
     assert parse(["precisions=[bf16]"])["precisions"] == ["bf16"]  # an explicit list is used as given
 
@@ -416,7 +417,7 @@ def test_bench_kernels_times_bf16_only_where_the_cpu_multiplies_it_natively(flag
     ],
 )
 def test_bench_kernels_refuses_bad_options(argv, message):
-    from scripts.bench_kernels import parse
+    from tools.bench_kernels import parse
 
     with pytest.raises(SystemExit, match=re.escape(message)):
         parse(argv)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from inference import memory
-from inference.generation import score_tokens
-from inference.memory import MemoryBudgetError, check_fits, human_bytes
-from model.kv_cache import KVCache, cache_bytes
+from rope_llama.core import memory
+from rope_llama.core.memory import MemoryBudgetError, check_fits, human_bytes, new_kv_cache
+from rope_llama.inference.generation import score_tokens
+from rope_llama.model.kv_cache import KVCache, cache_bytes
 from scripts import eval_extrapolation
 from tests.helpers import CONFIGS, ROOT, run_generate_main, save_run, text_tokenizer, tiny
 
@@ -127,7 +127,7 @@ def test_kv_cache_is_refused_before_it_is_allocated(model_and_run, monkeypatch):
     with pytest.raises(
         MemoryBudgetError, match=r"^A KV cache of 2 x 10,000 tokens needs 9\.8 MiB .*; lower the "
     ):
-        KVCache.for_model(model_and_run[0], batch_size=2, capacity=10_000)
+        new_kv_cache(model_and_run[0], batch_size=2, capacity=10_000)
 
 
 def test_scoring_is_refused_with_its_knobs(model_and_run, monkeypatch):

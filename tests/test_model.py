@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model.config import ModelConfig
-from model.hf import ExportError, from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from model.kv_cache import CacheFullError, KVCache
-from model.llama import Llama
-from model.rope import RopeConfig
+from rope_llama.interchange.hf import ExportError, from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.kv_cache import CacheFullError, KVCache
+from rope_llama.model.llama import Llama
+from rope_llama.model.rope import RopeConfig
 from tests.helpers import L0, ROPES
 
 

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.llama import Llama
-from training.optim import (
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.llama import Llama
+from rope_llama.training.optim import (
     Muon,
     MuonWithAdamW,
     OptimConfig,

@@ -15,8 +15,9 @@ import pytest
     ],
 )
 def test_auto_precision_follows_the_cpu(monkeypatch, flags, accelerator, expected):
-    import training.precision as precision
+    import rope_llama.core.precision as precision
 
+    monkeypatch.delenv(precision.FORCE_CPU_BF16, raising=False)
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     chosen, why = precision.resolve_precision("auto", accelerator)
     assert chosen == expected and why
@@ -25,9 +26,24 @@ def test_auto_precision_follows_the_cpu(monkeypatch, flags, accelerator, expecte
 
 
 def test_expand_auto_replaces_each_auto_and_keeps_first_occurrences():
-    from training.precision import expand_auto
+    from rope_llama.core.precision import expand_auto
 
     assert expand_auto(["auto"], ["a-fp32", "a-bf16"]) == ["a-fp32", "a-bf16"]
     assert expand_auto(["a-bf16", "auto", "b-fp32"], ["a-fp32", "a-bf16"]) == ["a-bf16", "a-fp32", "b-fp32"]
     assert expand_auto(["auto", "fp32"], []) == ["fp32"]  # auto may stand for nothing
     assert expand_auto(["fp32", "bf16"], ["x"]) == ["fp32", "bf16"]
+
+
+@pytest.mark.parametrize("forced, expected", [("1", "bf16-mixed"), ("0", "32-true")])
+@pytest.mark.parametrize("flags", [{"amx_bf16"}, {"avx2"}])
+def test_the_environment_forces_the_cpus_answer(monkeypatch, flags, forced, expected):
+    import rope_llama.core.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    monkeypatch.setenv(precision.FORCE_CPU_BF16, forced)
+    assert precision.resolve_precision("auto", "cpu")[0] == expected
+    monkeypatch.setenv(precision.FORCE_CPU_BF16, "yes")
+    with pytest.raises(
+        ValueError, match=r"^ROPE_LLAMA_FORCE_CPU_BF16='yes' is not allowed; set it to 1 or 0"
+    ):
+        precision.resolve_precision("auto", "cpu")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import DataError, TextDataModule
-from data.recall import (
+from rope_llama.data import DataError, TextDataModule
+from rope_llama.data.recall import (
     ADJECTIVES,
     EVAL_WORDS,
     NOUNS,
@@ -19,12 +19,12 @@ from data.recall import (
     answer_accuracy,
     held_out_windows,
 )
-from inference import retrieval
-from inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
+from rope_llama.inference import retrieval
+from rope_llama.inference.retrieval import FILLER, INTRO, NEEDLE, QUESTION
+from rope_llama.training.callbacks import RecallProbe, mean_cosine
+from rope_llama.training.optim import OptimConfig
 from tests.helpers import compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
-from training.callbacks import RecallProbe, mean_cosine
-from training.optim import OptimConfig
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
 EVAL_TEXTS = (INTRO, FILLER, NEEDLE, QUESTION, *retrieval.WORDING)
@@ -434,8 +434,8 @@ def test_answer_weight_marks_exactly_the_answer_targets(tok):
 
 def test_weighted_batches_train():
     """A weighted batch goes through LitLlama's loss: the weighted mean, not the plain one."""
-    from model.config import ModelConfig
-    from training.module import LitLlama
+    from rope_llama.model.config import ModelConfig
+    from rope_llama.training.module import LitLlama
 
     lit = LitLlama(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1))
     x = torch.randint(0, 64, (2, 16))

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train as train_py
-from inference.checkpoint import (
+from rope_llama.core.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     atomic_torch_save,
@@ -25,7 +25,7 @@ from inference.checkpoint import (
     safe_load,
     weights_checkpoint,
 )
-from model.rope import SCALINGS, RopeConfig, RotaryEmbedding
+from rope_llama.model.rope import SCALINGS, RopeConfig, RotaryEmbedding
 from tests.helpers import (
     L0,
     ROOT,
@@ -124,7 +124,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
 
 WRITER = """
 import sys, torch
-from inference.checkpoint import atomic_torch_save
+from rope_llama.core.checkpoint import atomic_torch_save
 path, i = sys.argv[1], 0
 while True:
     i += 1
@@ -291,8 +291,8 @@ def test_refused_run_keeps_a_run_directory_that_existed_before(resume, tmp_path,
 
 
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
-    from model.config import ModelConfig
-    from model.llama import Llama
+    from rope_llama.model.config import ModelConfig
+    from rope_llama.model.llama import Llama
 
     small = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=64)
     path = tmp_path / "mismatch.ckpt"

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from data.tokenizer import Tokenizer, train_tokenizer
-from inference.retrieval import (
+from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
+from rope_llama.inference.retrieval import (
     FILLER,
     INTRO,
     MULTIKEY_NEEDLE,

@@ -9,9 +9,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from model.config import ModelConfig
-from model.hf import hf_config_dict
-from model.rope import (
+from rope_llama.interchange.hf import hf_config_dict
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.rope import (
     SCALINGS,
     TABLE_MAX_POSITIONS,
     RopeConfig,
@@ -203,7 +203,7 @@ def test_max_position_capacity():
 
 
 def test_one_rope_module_shared_by_every_layer():
-    from model.llama import Llama
+    from rope_llama.model.llama import Llama
 
     model = Llama(ModelConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=2))
     ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
@@ -339,7 +339,7 @@ def test_relative_property_at_far_positions(layout):
 
 def test_model_logits_at_a_far_start_equal_those_at_zero():
     """Plain RoPE sees only relative distances, so a whole sequence shifted to 10^12 scores the same."""
-    from model.llama import Llama
+    from rope_llama.model.llama import Llama
 
     torch.manual_seed(0)
     model = Llama(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)).eval()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inference.stats import (
+from rope_llama.inference.stats import (
     cluster_labels,
     paired_bootstrap,
     pairwise_markdown,

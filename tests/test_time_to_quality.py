@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from scripts import time_to_quality as ttq
+from rope_llama.bench import time_to_quality as ttq
 from tests.helpers import small_corpus, tiny_overrides
 
 

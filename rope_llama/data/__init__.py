@@ -1,0 +1,24 @@
+"""Text sources, tokenizer, token cache and the LightningDataModule.
+
+from rope_llama.data import DataError, TextDataModule, Tokenizer
+"""
+
+
+class DataError(ValueError):
+    """A user-facing data problem; the message is one sentence naming the bad value and what is allowed."""
+
+
+def __getattr__(name: str):
+    # Lazy, so `import data.tokenizer` or `data.cache` does not pay for importing Lightning (~8 s).
+    if name == "TextDataModule":
+        from rope_llama.data.datamodule import TextDataModule
+
+        return TextDataModule
+    if name == "Tokenizer":
+        from rope_llama.data.tokenizer import Tokenizer
+
+        return Tokenizer
+    raise AttributeError(f"module 'data' has no attribute {name!r}")
+
+
+__all__ = ["DataError", "TextDataModule", "Tokenizer"]

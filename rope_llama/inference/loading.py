@@ -1,0 +1,46 @@
+"""A checkpoint ready to run: model on its device and dtype, RoPE and extension overrides applied, and
+its tokenizer.
+
+    ckpt, tokenizer = load_model("runs/default", device="auto", dtype="float32", rope={"scaling": "ntk", "factor": 8})
+
+What generate.py and the scripts load; the checkpoint format itself is inference/checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rope_llama.core.checkpoint import LoadedCheckpoint, load_checkpoint
+from rope_llama.core.device import resolve_device, resolve_dtype
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.generation import GenerationError
+from rope_llama.model.extend import override_extend
+from rope_llama.model.rope import override_rope
+
+
+def load_model(
+    ckpt: str,
+    device: str = "auto",
+    dtype: str = "float32",
+    rope: dict | None = None,
+    extend: dict | None = None,
+) -> tuple[LoadedCheckpoint, Tokenizer]:
+    """Checkpoint (file or run directory) -> model on `device` in `dtype`, with `rope` (a configs/rope
+    group's values) replacing the checkpoint's RoPE scaling and `extend` (a configs/extend group's)
+    its attention extension when given, + its tokenizer."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)  # before the (slow) load
+    loaded = load_checkpoint(ckpt)
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
+    if tokenizer.vocab_size > loaded.config.vocab_size:
+        raise GenerationError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {loaded.config.vocab_size}."
+        )
+    own = loaded.config.rope
+    new = own if rope is None else override_rope(own, rope, loaded.train_max_len)
+    if new.base != own.base:
+        print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
+    loaded.model.to(device=torch_device, dtype=torch_dtype)
+    loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
+    if extend is not None:
+        loaded.model.set_extend(override_extend(loaded.config.extend, extend, loaded.train_max_len))
+    return loaded, tokenizer

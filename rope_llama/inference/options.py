@@ -1,0 +1,201 @@
+"""What the evaluation scripts share: option checks, the method grid, held-out documents."""
+
+from __future__ import annotations
+
+import csv
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rope_llama.core.checkpoint import LoadedCheckpoint
+from rope_llama.core.cli import build
+from rope_llama.inference.evaluation import (
+    CKPT_METHOD,
+    check_method,
+    matched_factor,
+    method_extend,
+    method_rope,
+)
+from rope_llama.inference.generation import check_integer
+from rope_llama.model.extend import ExtendConfig, matched_group, override_extend
+from rope_llama.model.rope import override_rope
+
+MATCHED = "matched"  # factor / extend_options.group chosen per evaluation length from the training length
+
+
+def require(cfg: DictConfig, keys: tuple[str, ...], usage: str) -> None:
+    """One sentence naming the first missing `???` option and how to pass it."""
+    for key in keys:
+        if OmegaConf.is_missing(cfg, key):
+            raise ValueError(f"No {key} given; pass {usage}.")
+
+
+def option_list(cfg: DictConfig, key: str, example: str) -> list:
+    """cfg[key] as a list; one sentence when the command line gave a single value instead."""
+    if not isinstance(cfg[key], ListConfig):
+        raise ValueError(f"{key} must be a list, e.g. {key}={example}, got {cfg[key]!r}.")
+    return list(cfg[key])
+
+
+def check_output_dir(path: str) -> None:
+    """One sentence unless `path` is, or can be created as, a directory this process can write to.
+    Creates nothing: the test file in the nearest existing directory is anonymous and removed."""
+    target = Path(path).absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == target else f"cannot be created: {existing} is a file"
+        raise ValueError(f"out={path} {where}; give a directory for the results.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"out={path} is not writable: creating a file in {existing} failed ({e.strerror}); "
+            "give another directory."
+        ) from None
+
+
+def check_common(cfg: DictConfig) -> None:
+    """Options shared by the scripts, checked before the (slow) checkpoint load."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
+    if OmegaConf.is_missing(cfg, "out"):
+        raise ValueError("No output directory given; pass out=<directory for the results>.")
+    lengths = option_list(cfg, "lengths", "[256,1024]")
+    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
+        raise ValueError(f"lengths must be a non-empty list of integers >= 2, got {lengths}.")
+    methods = option_list(cfg, "methods", "[none,yarn]")
+    if not methods:
+        raise ValueError(
+            "methods is empty; give e.g. methods=[none,yarn,self_extend,yarn+logn] (ckpt = the checkpoint's own RoPE)."
+        )
+    for method in methods:
+        check_method(str(method))
+    options = extend_options(cfg)
+    if options.get("group") == MATCHED:
+        options["group"] = 1  # resolved per length once the checkpoint's training length is known
+    elif isinstance(options.get("group"), str):
+        raise ValueError(
+            f"extend_options.group must be an integer >= 1 or `matched`, got {options['group']!r}."
+        )
+    override_extend(ExtendConfig(), options)  # a bad window or group fails before the load
+    check_output_dir(str(cfg.out))
+    if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
+        raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
+    check_integer("batch_tokens", cfg.batch_tokens, 1)
+    if cfg.threads is not None:
+        torch.set_num_threads(int(cfg.threads))
+
+
+def train_length(ckpt: LoadedCheckpoint) -> int:
+    """The length the checkpoint was (last) trained at: the `original_max_len` of every method."""
+    return ckpt.train_max_len or ckpt.config.rope.original_max_len
+
+
+def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
+    """The requested methods, plus `ckpt` when the checkpoint was trained with a RoPE scaling or an
+    extension."""
+    names = list(dict.fromkeys(str(m) for m in requested))  # de-duplicated, order kept
+    trained_with = ckpt.config.rope.scaling != "none" or ckpt.config.extend.method != "none"
+    if trained_with and CKPT_METHOD not in names:
+        names.append(CKPT_METHOD)
+    return names
+
+
+def extend_options(cfg: DictConfig) -> dict:
+    """`extend_options`: the extension fields (window, group) set for every method that names an
+    extension; a null one keeps the checkpoint's value; group `matched` is resolved per length."""
+    options = OmegaConf.to_container(cfg.extend_options, resolve=True)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
+    """{method: ExtendConfig} for one evaluation length; group `matched` = the least group whose reach
+    at that length stays within 3/4 of the training length (model/extend.py's matched_group)."""
+    train_len = train_length(ckpt)
+    options = extend_options(cfg)
+    if options.get("group") == MATCHED:
+        options["group"] = matched_group(length, options.get("window", ckpt.config.extend.window), train_len)
+    return {m: method_extend(ckpt.config.extend, m, train_len, options) for m in methods}
+
+
+def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> None:
+    """Name the Self-Extend group each length gets when extend_options.group is `matched`."""
+    if extend_options(cfg).get("group") != MATCHED:
+        return
+    groups = {}
+    for length in sorted(cfg.lengths):
+        extends = [e for e in method_extends(cfg, ckpt, methods, length).values() if e.self_extend]
+        if extends:
+            groups[length] = extends[0].group
+    if groups:
+        print(f"Self-Extend groups (matched to training length {train_length(ckpt)}): {groups}")
+
+
+def with_largest_cache(model, extends: dict) -> None:
+    """Give `model` the extension of `extends` whose KV cache is the largest (Self-Extend's holds a
+    second key buffer), so a memory check made before the grid counts the most any method allocates."""
+    model.set_extend(max(extends.values(), key=lambda e: e.self_extend))
+
+
+def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
+    """{method: (RopeConfig, its factor)} for one evaluation length; `matched` = T / training length."""
+    train_len = train_length(ckpt)
+    factor = matched_factor(length, train_len) if cfg.factor == MATCHED else float(cfg.factor)
+    extra = OmegaConf.to_container(cfg.rope_options, resolve=True)
+    own = ckpt.config.rope
+    base = override_rope(own, {"original_max_len": own.original_max_len, **extra}) if extra else own
+    ropes = {m: method_rope(base, m, factor, train_len) for m in methods}
+    return {m: (rope, rope.factor) for m, rope in ropes.items()}
+
+
+def datamodule_for(cfg: DictConfig, ckpt: LoadedCheckpoint):
+    """The data module of the checkpoint's training run (runs/<run>/.hydra/config.yaml), or the
+    `data=<group>` given on the command line; the tokenizer must be the checkpoint's."""
+    if cfg.get("data") is not None:
+        data_cfg = cfg.data.copy()
+        if data_cfg.get("tokenizer_path") is None:  # tokenize with the checkpoint's own tokenizer
+            data_cfg.tokenizer_path = str(ckpt.tokenizer_file())
+    else:
+        saved = ckpt.path.parent.parent / ".hydra" / "config.yaml"
+        if not saved.is_file():
+            raise ValueError(
+                f"Cannot find the training config {saved} to rebuild the data; pass data=<group> "
+                "(e.g. data=shakespeare) to say which data the checkpoint was trained on."
+            )
+        data_cfg = OmegaConf.load(saved).data
+    datamodule = build(data_cfg)
+    if ckpt.tokenizer_sha256 and datamodule.tokenizer.sha256 != ckpt.tokenizer_sha256:
+        raise ValueError(
+            f"The data's tokenizer ({datamodule.tokenizer.path}) is not the one {ckpt.path} was trained "
+            f"with; pass data.tokenizer_path={ckpt.tokenizer_file()}."
+        )
+    return datamodule
+
+
+def long_documents(cfg: DictConfig, ckpt: LoadedCheckpoint, min_tokens: int) -> list[np.ndarray]:
+    """Held-out documents of `cfg.split` with at least `min_tokens` tokens; fails if there are none."""
+    documents = datamodule_for(cfg, ckpt).documents(cfg.split)
+    long = [d for d in documents if len(d) >= min_tokens]
+    if not long:
+        longest = max((len(d) for d in documents), default=0)
+        raise ValueError(
+            f"No {cfg.split} document has the {min_tokens} tokens the longest length needs (the longest has "
+            f"{longest}); lower lengths or use data with longer documents."
+        )
+    print(
+        f"{len(long)} of {len(documents)} {cfg.split} documents have >= {min_tokens} tokens "
+        f"({', '.join(str(len(d)) for d in long)} tokens)."
+    )
+    return long
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    """rows -> CSV with a header (the first row's keys unless `fields` is given)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,233 @@
+"""Retrieval suite: prompts for three RULER task families and the greedy-answer scorer.
+
+    rng = np.random.default_rng(0)
+    p = build_prompt("multikey", tok, length=1024, depth=0.5, rng=rng, keys=4)
+    p.tokens, p.answer, p.depth, p.needle_start   # BOS ... question (ends before the answer); int;
+                                                  # realised depth; first token of the asked needle
+    answer_correct(" 40213.", p.answer)           # greedy scoring: first integer of the output == answer
+
+Tasks (Hsieh et al. 2024, RULER: single / multi-key needle-in-a-haystack and variable tracking):
+  passkey    one 5-digit key in the filler, with the passkey wording of scripts/passkey.py (defined here)
+  multikey   `keys` needles with distinct names and keys; the question asks for one of them
+  vartrack   `chains` chains VAR A = 12345, VAR B = VAR A, ... (`hops` copies each); the question
+             asks for the value of one chain's last variable, so the answer needs every hop
+
+Every prompt is the passkey instruction, then its filler repeated, with the needles in
+it, then the question. The filler is cut at sentence boundaries, so a prompt has at most
+`length` tokens and falls short by less than one filler sentence (a few tokens). The asked
+needle (the first assignment of the asked chain) goes after round(depth * n) of the n filler
+sentences; `depth` reports the realised value: filler tokens before it / all filler tokens.
+Pieces are tokenized separately and concatenated, so needle positions are exact. Prompts are
+pure functions of (tokenizer, length, depth, the rng's state).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+
+import numpy as np
+
+from rope_llama.data.tokenizer import Tokenizer
+
+TASKS = ("passkey", "multikey", "vartrack")
+# The passkey prompt of Mohtashami & Jaggi (2023), as scripts/passkey.py and the literature use it.
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+MULTIKEY_NEEDLE = " The pass key of the {name} is {key}. Remember it. {key} is the pass key of the {name}."
+MULTIKEY_QUESTION = " What is the pass key of the {name}? The pass key of the {name} is"
+VAR_VALUE = " VAR {name} = {value}."
+VAR_COPY = " VAR {name} = VAR {source}."
+VAR_QUESTION = " What is the value of VAR {name}? The value of VAR {name} is"
+WORDING = (MULTIKEY_NEEDLE, MULTIKEY_QUESTION, VAR_VALUE, VAR_COPY, VAR_QUESTION)  # this suite's own
+NAMES = ("fox", "owl", "bear", "wolf", "hare", "crow", "deer", "lynx", "seal", "swan", "mole", "toad",
+         "frog", "goat", "lark", "wren")  # fmt: skip
+VAR_NAME_LETTERS = 5  # RULER's variable names: 5 random capital letters
+
+
+def first_integer(text: str) -> int | None:
+    """The first run of digits in `text` as an int (" 71432." -> 71432), None if there is none."""
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) -> list[int]:
+    """`n` distinct 5-digit keys (10000..99999), none equal to `exclude`."""
+    keys: list[int] = []
+    while len(keys) < n:
+        k = int(rng.integers(10_000, 100_000))
+        if k != exclude and k not in keys:
+            keys.append(k)
+    return keys
+
+
+@dataclass(frozen=True)
+class RetrievalPrompt:
+    task: str
+    tokens: list[int]  # BOS, instruction, filler with needles, question; the answer comes next
+    answer: int
+    depth: float  # realised: filler tokens before the asked needle / all filler tokens
+    needle_start: int  # token index where the asked needle (first assignment of the asked chain) begins
+
+
+def answer_correct(generated: str, answer: int) -> bool:
+    """Greedy scoring: the first integer in the generated text is the answer (" 40213." -> 40213)."""
+    return first_integer(generated) == answer
+
+
+GREEDY_MISSES = ("prose first", "overrun", "wrong digits")  # greedy_miss's kinds, in the tables' order
+
+
+def greedy_miss(generated: str, answer: int) -> str:
+    """Why a greedy answer is wrong ("" when `answer_correct`): "prose first" = text before any number (the
+    first-token decision, which the first-token margin measures, went to the text); "overrun" = the answer's
+    digits and then more (" 103888." for 10388: the copy found the key but did not stop); "wrong digits" =
+    another number first."""
+    if answer_correct(generated, answer):
+        return ""
+    digits = re.match(r"\d+", generated.lstrip())
+    if digits is None:
+        return "prose first"
+    return "overrun" if digits.group().startswith(str(answer)) else "wrong digits"
+
+
+TASK_OPTIONS = {
+    "passkey": {},
+    "multikey": {"keys": (1, len(NAMES))},
+    "vartrack": {"chains": (1, None), "hops": (0, None)},
+}
+
+
+def check_task_options(task: str, **options) -> None:
+    """One sentence for an unknown task, an option `task` does not take, or a value out of its range."""
+    if task not in TASK_OPTIONS:
+        raise ValueError(f"retrieval task {task!r} is unknown; allowed tasks are {list(TASKS)}.")
+    allowed = TASK_OPTIONS[task]
+    if unknown := sorted(set(options) - set(allowed)):
+        raise ValueError(f"{task} takes the options {sorted(allowed)}, not {unknown}.")
+    for name, value in options.items():
+        low, high = allowed[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+            span = f"in [{low}, {high}]" if high else f">= {low}"
+            raise ValueError(f"{name} must be an integer {span}, got {value!r}.")
+
+
+def build_prompt(
+    task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, **options
+) -> RetrievalPrompt:
+    """The prompt of `task` (one of TASKS) with the task's options (multikey: keys; vartrack: chains, hops)."""
+    check_task_options(task, **options)
+    builders = {"passkey": passkey_prompt, "multikey": multikey_prompt, "vartrack": vartrack_prompt}
+    return builders[task](tok, length, depth, rng, **options)
+
+
+def passkey_prompt(tok: Tokenizer, length: int, depth: float, rng: np.random.Generator) -> RetrievalPrompt:
+    """One passkey needle at `depth`, scripts/passkey.py's wording."""
+    (key,) = random_keys(rng, 1)
+    needle = tok.encode(NEEDLE.format(key=key))
+    return _assemble("passkey", tok, length, [(_check_depth(depth), needle)], tok.encode(QUESTION), key)
+
+
+def multikey_prompt(
+    tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, keys: int = 4
+) -> RetrievalPrompt:
+    """`keys` needles, each naming an animal and its own key; the question asks for the first, which
+    sits at `depth`; the others go to uniformly random places in the filler."""
+    check_task_options("multikey", keys=keys)
+    names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
+    values = random_keys(rng, keys)
+    places = [_check_depth(depth), *rng.random(keys - 1)]
+    needles = [
+        (p, tok.encode(MULTIKEY_NEEDLE.format(name=n, key=k))) for p, n, k in zip(places, names, values)
+    ]
+    question = tok.encode(MULTIKEY_QUESTION.format(name=names[0]))
+    return _assemble("multikey", tok, length, needles, question, values[0])
+
+
+def vartrack_prompt(
+    tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, chains: int = 2, hops: int = 3
+) -> RetrievalPrompt:
+    """`chains` variable chains of `hops` copies each; the question asks for the last variable of the
+    first chain, whose value assignment sits at `depth` and whose copies follow it evenly spaced to
+    the end. The other chains (distinct values) go to random places, each in its own order."""
+    check_task_options("vartrack", chains=chains, hops=hops)
+    depth = _check_depth(depth)
+    names = _var_names(rng, chains * (hops + 1))
+    values = random_keys(rng, chains)
+    needles = []
+    for c, value in enumerate(values):
+        chain = names[c * (hops + 1) : (c + 1) * (hops + 1)]
+        statements = [VAR_VALUE.format(name=chain[0], value=value)]
+        statements += [VAR_COPY.format(name=b, source=a) for a, b in zip(chain, chain[1:])]
+        if c == 0:
+            places = [depth + (1 - depth) * j / (hops + 1) for j in range(hops + 1)]
+        else:
+            places = sorted(rng.random(hops + 1))
+        needles += [(p, tok.encode(s)) for p, s in zip(places, statements)]
+    question = tok.encode(VAR_QUESTION.format(name=names[hops]))
+    return _assemble("vartrack", tok, length, needles, question, values[0])
+
+
+def _assemble(
+    task: str,
+    tok: Tokenizer,
+    length: int,
+    needles: list[tuple[float, list[int]]],
+    question: list[int],
+    answer: int,
+) -> RetrievalPrompt:
+    """BOS + INTRO + filler sentences with `needles` [(place in [0, 1], tokens)] + question.
+
+    Needle i goes after round(place * n) of the n filler sentences; needles at the same place keep
+    their list order (a chain's assignments stay in order). needles[0] is the one asked about.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be a positive integer, got {length!r}.")
+    intro = tok.encode(INTRO)
+    fixed = 1 + len(intro) + sum(len(t) for _, t in needles) + len(question)
+    if fixed > length:
+        raise ValueError(
+            f"length {length} is too short for a {task} prompt: its fixed parts alone take {fixed} tokens."
+        )
+    sentences = [tok.encode(s) for s in re.findall(r" [^.?!]*[.?!]", FILLER)]
+    filler, budget = [], length - fixed
+    while len(nxt := sentences[len(filler) % len(sentences)]) <= budget:
+        filler.append(nxt)
+        budget -= len(nxt)
+    slots = [round(place * len(filler)) for place, _ in needles]
+    tokens, emitted, filler_before, asked_start, asked_before = [tok.bos_id, *intro], 0, 0, 0, 0
+    for i in sorted(range(len(needles)), key=lambda i: (slots[i], i)):
+        for sentence in filler[emitted : slots[i]]:
+            tokens += sentence
+            filler_before += len(sentence)
+        emitted = max(emitted, slots[i])
+        if i == 0:
+            asked_start, asked_before = len(tokens), filler_before
+        tokens += needles[i][1]
+    for sentence in filler[emitted:]:
+        tokens += sentence
+    tokens += question
+    depth = asked_before / max(1, sum(map(len, filler)))
+    return RetrievalPrompt(task, tokens, answer, depth, asked_start)
+
+
+def _var_names(rng: np.random.Generator, n: int) -> list[str]:
+    """n distinct names of VAR_NAME_LETTERS random capital letters."""
+    names: list[str] = []
+    while len(names) < n:
+        name = "".join(rng.choice(list(string.ascii_uppercase), size=VAR_NAME_LETTERS))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _check_depth(depth: float) -> float:
+    if isinstance(depth, bool) or not isinstance(depth, int | float) or not 0 <= depth <= 1:
+        raise ValueError(f"depth must lie in [0, 1] (0 = start, 1 = end), got {depth!r}.")
+    return float(depth)

@@ -1,0 +1,27 @@
+"""Attention whose training backward runs in fp32 on the CPU: a drop-in for `Attention.attend`.
+
+Under CPU bf16 autocast, PyTorch's flash-attention backward is slower in bf16 than in fp32 at the
+lengths this repository trains at (measured in docs/performance.md, "Time to quality"), so when a
+backward follows, q, k and v are upcast for the one call and the output cast back. Without autograd
+(evaluation, generation) the bf16 forward is the faster one and runs unchanged. Unlike the other kernels
+this one also applies under torch.compile: inductor calls the same flash-attention op in the dtype it is
+given, so a compiled training step needs the upcast as much as an eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rope_llama.kernels.autograd import backward_follows
+from rope_llama.model.llama import Attention
+
+
+class KernelAttention(Attention):
+    """Attention whose `attend` upcasts bf16 CPU inputs when a backward follows: same state dict."""
+
+    def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not backward_follows(q, k, v):
+            return super().attend(q, k, v, mask, is_causal, dropout_p)
+        with torch.autocast("cpu", enabled=False):
+            y = super().attend(q.float(), k.float(), v.float(), mask, is_causal, dropout_p)
+        return y.to(q.dtype)

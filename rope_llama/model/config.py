@@ -1,0 +1,82 @@
+"""ModelConfig: the shape of the decoder, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from rope_llama.model.extend import ExtendConfig
+from rope_llama.model.rope import RopeConfig
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads (MHA); fewer = grouped-query attention
+    ffn_hidden: int | None = None  # None = 8/3 * d_model rounded up to ffn_multiple_of (LLaMA)
+    ffn_multiple_of: int = 64
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    # Add learned per-channel gates times the embeddings of the n preceding tokens to each token's
+    # embedding (Olsson et al. 2022's "smeared keys", at the input; a short causal convolution): one
+    # attention layer can then match a token's context against earlier ones, so a copy (induction)
+    # head forms without the long plateau of a two-layer circuit; n = 2 matches on two tokens, which
+    # copying digits needs when a digit repeats. transformers' Llama cannot express it (export refuses).
+    # docs/data.md, Recall windows. 0 = off.
+    mix_previous_tokens: int = 0
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
+
+    def __post_init__(self):
+        if isinstance(self.rope, dict):  # built from a checkpoint or a Hydra config
+            self.rope = RopeConfig(**self.rope)
+        if isinstance(self.extend, dict):
+            self.extend = ExtendConfig(**self.extend)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_multiple_of"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model {name} must be a positive integer, got {getattr(self, name)}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}).")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})."
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model head dim d_model/n_heads = {self.head_dim} must be even for RoPE; "
+                f"change d_model ({self.d_model}) or n_heads ({self.n_heads})."
+            )
+        mix = self.mix_previous_tokens
+        if isinstance(mix, bool) or not isinstance(mix, int) or mix < 0:
+            raise ValueError(f"model mix_previous_tokens must be an integer >= 0 (0 = off), got {mix!r}.")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.d_model / 3)
+            self.ffn_hidden = -(-hidden // self.ffn_multiple_of) * self.ffn_multiple_of
+        if self.ffn_hidden < 1:
+            raise ValueError(f"model ffn_hidden must be a positive integer, got {self.ffn_hidden}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model dropout must be in [0, 1), got {self.dropout}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        """Plain dict (rope and extend nested), safe for checkpoints loaded with weights_only=True."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(
+                f"Unknown model config keys {sorted(unknown)}; allowed keys are {sorted(known)}."
+            )
+        return cls(**d)

@@ -1,0 +1,235 @@
+"""Training-free context extension in attention: Self-Extend and log-n scaling.
+
+RoPE scalings (model/rope.py) change the rotation frequencies; the methods here change which
+positions attention sees, with no training. They compose with every scaling: the model's one
+`RotaryEmbedding` still serves every angle, for the true positions and for the grouped ones.
+
+- self_extend (Jin et al. 2024, "LLM Maybe LongLM"; llama.cpp's group attention). With window W
+  and group size G, a query at position q scores a key at position k with
+    the neighbour score  <rot(q_vec, q), rot(k_vec, k)>                          if q - k < W,
+    the grouped score    <rot(q_vec, q // G + W - W // G), rot(k_vec, k // G)>   otherwise,
+  then the causal mask and one softmax over the merged scores. The shift W - W // G makes the
+  grouped distance equal W where the neighbour window ends, so the distances a query sees run
+  0..W-1 exactly, then grow G times slower: at most about q / G + W, which stays within the
+  training length L0 while q / G + W <= L0.
+- logn (Qwen's use_logn_attn): the query at position p is multiplied by max(1, log(n) / log(L0))
+  with n = p + 1 (Qwen's 1-based count), so the attention entropy stays as in training as the
+  context grows past L0; nothing changes inside the training length.
+
+How keys are cached (model/kv_cache.py): after rotation, in BOTH rotations when self_extend is on,
+the true-position key and the grouped-position key. A key's grouped position k // G never changes
+as the context grows (only the query side is shifted), so both rotations are final once written,
+and decoding never re-rotates the cached keys. The cost is a second key buffer, the size of the
+first, allocated only for self_extend; the cache also keeps each slot's position, since the merge
+rule reads true distances (positions are explicit, not cache slots).
+
+This file is the math (pure functions) and the merged attention; model/llama.py wires them in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+
+from rope_llama.model.rope import enum_choice
+
+
+class ExtendMethod(StrEnum):
+    NONE = "none"
+    SELF_EXTEND = "self_extend"
+    LOGN = "logn"
+
+
+EXTEND_METHODS = tuple(m.value for m in ExtendMethod)
+
+# Bytes of the explicit score matrices of one block of queries in `merged_attention`: the queries
+# are processed in blocks so that a long sequence never holds (L, S) scores for every query at once.
+SCORE_BLOCK_BYTES = 64 * 2**20
+# The share of the training length a matched Self-Extend group's reach may use (`matched_group`).
+MATCHED_REACH = 0.75
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Which extension attention uses; validated on construction.
+
+    method:            one of EXTEND_METHODS.
+    window:            self_extend: neighbour window W; keys closer than W positions keep their true
+                       distance (the default is measured in docs/extrapolation.md).
+    group:             self_extend: group size G; farther keys are seen G times closer.
+    original_max_len:  logn: the training length L0 the query scale is relative to.
+    """
+
+    method: str = "none"
+    window: int = 64
+    group: int = 32
+    original_max_len: int = 2048
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", enum_choice(self.method, ExtendMethod, "extend method", "methods"))
+        for name, minimum, what in (
+            ("window", 1, "a number of positions"),
+            ("group", 1, "a group size"),
+            ("original_max_len", 2, "a training length (log-n divides by its log)"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"extend {name} must be an integer >= {minimum} ({what}), got {value!r}.")
+
+    @property
+    def self_extend(self) -> bool:
+        return self.method == ExtendMethod.SELF_EXTEND.value
+
+    @property
+    def logn(self) -> bool:
+        return self.method == ExtendMethod.LOGN.value
+
+    def plain_within(self, seq_len: int) -> bool:
+        """True when positions below `seq_len` need no grouped score: every query-key distance is
+        then below the window, or the group is 1 (a grouped position is then the true one), so
+        Self-Extend is exactly plain attention (and cheaper)."""
+        return not self.self_extend or seq_len <= self.window or self.group == 1
+
+
+def override_extend(base: ExtendConfig, override: dict, train_max_len: int | None = None) -> ExtendConfig:
+    """The checkpoint's extension with an inference-time override applied (a configs/extend group).
+    `original_max_len: None` (or absent) means the checkpoint's training length."""
+    known = {f.name for f in fields(ExtendConfig)}
+    unknown = sorted(set(override) - known)
+    if unknown:
+        raise ValueError(f"Unknown extend keys {unknown}; allowed keys are {sorted(known)}.")
+    values = dict(override)
+    if values.get("original_max_len") is None:
+        values["original_max_len"] = train_max_len or base.original_max_len
+    return replace(base, **values)
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def grouped_key_positions(position_ids: torch.Tensor, group: int) -> torch.Tensor:
+    """k // G: where a key sits for the grouped score. Same shape as position_ids."""
+    return position_ids // group
+
+
+def grouped_query_positions(position_ids: torch.Tensor, window: int, group: int) -> torch.Tensor:
+    """q // G + W - W // G: where a query sits for the grouped score, so that grouped and true
+    distances meet at W. Same shape as position_ids.
+
+    Queries closer than W to position 0 never use a grouped score; for them the shifted position can
+    exceed q, so it is capped at q: the result then never passes the largest true position, the range
+    the RoPE table was asked for, and every grouped score that is used is unchanged.
+    """
+    return torch.minimum(position_ids, position_ids // group + (window - window // group))
+
+
+def self_extend_reach(seq_len: int, window: int, group: int) -> int:
+    """The largest query-key distance Self-Extend shows in a `seq_len`-token sequence: the last query
+    against key 0, (seq_len - 1) // G + W - W // G when it is grouped, else the true seq_len - 1."""
+    if seq_len <= window:
+        return seq_len - 1
+    return (seq_len - 1) // group + window - window // group
+
+
+def matched_group(seq_len: int, window: int, train_len: int) -> int:
+    """Self-Extend's counterpart of a matched RoPE factor: 1 (plain attention) when `seq_len` fits the
+    training length, else the least group size G whose reach stays within MATCHED_REACH of it. Not the
+    whole length: in training a distance d is seen only by the last train_len - d queries of a window,
+    so the distances near train_len are barely trained (docs/extrapolation.md measures the choice)."""
+    limit = int(MATCHED_REACH * train_len) - 1
+    if window > limit:
+        raise ValueError(
+            f"extend window ({window}) must be at most {limit} ({MATCHED_REACH:.0%} of the training length "
+            f"{train_len}, less one) for a matched group."
+        )
+    if seq_len <= train_len:
+        return 1
+    group = 2
+    while self_extend_reach(seq_len, window, group) > limit:  # ends: the reach falls to W as G grows
+        group += 1
+    return group
+
+
+def neighbour_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a query scores a key with true positions (q - k < W), False where with grouped ones.
+
+    query_positions: (..., L), key_positions: (..., S), broadcastable leading dims -> (..., L, S) bool.
+    Keys after the query (q - k < 0) come out True; the causal mask removes them.
+    """
+    return (query_positions[..., :, None] - key_positions[..., None, :]) < window
+
+
+def logn_scale(position_ids: torch.Tensor, original_max_len: int) -> torch.Tensor:
+    """max(1, log(n) / log(L0)) with n = position + 1: the log-n query scale, float32, shape of
+    position_ids. Formed in float64 so it is exactly 1 inside L0 and exact enough at any position."""
+    n = position_ids.to(torch.float64) + 1
+    return (n.log() / math.log(original_max_len)).clamp(min=1.0).float()
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def per_kv_head(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x (B, KV, R, M, K) @ y (B, KV, K, N) -> (B, KV, R, M, N): the R query heads that share a
+    key-value head are the rows of one matmul, so the keys and values are never copied per head."""
+    B, KV, R, M, _ = x.shape
+    return (x.flatten(2, 3) @ y).view(B, KV, R, M, y.shape[-1])
+
+
+def merged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_grouped: torch.Tensor,
+    k_grouped: torch.Tensor,
+    v: torch.Tensor,
+    near: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Self-Extend attention: one softmax over the neighbour scores where `near`, grouped elsewhere.
+
+    q, q_grouped: (B, H, L, D) queries rotated at their true and grouped positions;
+    k, k_grouped, v: (B, KV, S, D) keys rotated at their true and grouped positions, and values,
+        H a multiple of KV (query head h reads key-value head h // (H / KV), as SDPA's enable_gqa);
+    near: (B|1, 1, L, S) bool (`neighbour_mask`); mask: None (causal) or (B|1, 1, L, S) bool,
+        True = attend, never a slot after the query's own. The L queries sit in the last L of the
+        S slots (or L = 1), so a block of queries reads only the keys up to its last query.
+    Returns (B, H, L, D). Scaled by 1/sqrt(D) as scaled_dot_product_attention; the softmax runs in
+    float32 at least (bf16 scores are upcast). Queries are processed in blocks of at most
+    SCORE_BLOCK_BYTES of scores.
+    """
+    B, H, L, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    rep = H // KV
+    shape = (B, KV, rep, L, D)  # the query heads grouped by the key-value head they read
+    q, q_grouped = q.reshape(shape), q_grouped.reshape(shape)
+    near = near[:, :, None]  # (B|1, 1, 1, L, S)
+    mask = None if mask is None else mask[:, :, None]
+    row_bytes = B * H * S * (2 * q.element_size() + 2 * 4) + 2 * B * S  # scores, probabilities, masks
+    rows = max(1, SCORE_BLOCK_BYTES // row_bytes)
+    scale = 1.0 / math.sqrt(D)
+    out = []
+    for a in range(0, L, rows):
+        b = min(a + rows, L)
+        end = S - L + b  # the slot of the block's last query: later keys are masked for the whole block
+        keys, keys_grouped, values = k[:, :, :end], k_grouped[:, :, :end], v[:, :, :end]
+        scores = torch.where(
+            near[..., a:b, :end],
+            per_kv_head(q[..., a:b, :], keys.mT),
+            per_kv_head(q_grouped[..., a:b, :], keys_grouped.mT),
+        )  # (B, KV, H/KV, b-a, end)
+        if mask is None:
+            allowed = (
+                torch.arange(end, device=q.device) <= torch.arange(S - L + a, end, device=q.device)[:, None]
+            )
+        else:
+            allowed = mask[..., a:b, :end]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+        probs = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+        out.append(per_kv_head(probs.to(v.dtype), values))
+    return torch.cat(out, dim=-2).reshape(B, H, L, D)

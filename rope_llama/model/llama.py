@@ -1,0 +1,344 @@
+"""LLaMA-style decoder: RMSNorm, grouped-query attention with RoPE, SwiGLU, tied LM head.
+
+Every attention layer uses the model's ONE RotaryEmbedding: cos/sin are gathered once per forward
+(`Llama.positions`, with what a context extension of model/extend.py adds: log-n query scales,
+Self-Extend's grouped rotations and neighbour mask) and every layer rotates with them through
+`rope.rotate`, in the layout of the rope's config.
+Projections are fused (qkv, gate+up) for speed; export to Hugging Face splits them again.
+
+Plain PyTorch, one path per op: this is the reference network. kernels/ holds faster drop-ins for
+some of its modules (same parameters, same state dict) that are installed from outside
+(`kernels.use_kernels(model)`); nothing here depends on them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.extend import (
+    ExtendConfig,
+    grouped_key_positions,
+    grouped_query_positions,
+    logn_scale,
+    merged_attention,
+    neighbour_mask,
+)
+from rope_llama.model.kv_cache import KVCache, SlotWrite
+from rope_llama.model.rope import RotaryEmbedding
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The matmul dtype autocast would choose for `t` (bf16 on GPU), else its own dtype."""
+    device_type = t.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else t.dtype
+
+
+class Positions(NamedTuple):
+    """What attention needs about the positions of one forward's tokens, built once per forward by
+    `Llama.positions` and shared by every layer.
+
+    cos, sin:     (L, R) or (B, L, R): the rotation at the tokens' true positions (queries and keys).
+    query_scale:  logn: (L, 1) or (B, 1, L, 1), multiplies the rotated queries; else None.
+    grouped:      self_extend: (query cos, query sin, key cos, key sin), each shaped like cos, the
+                  rotations at the grouped positions; None when neither the cache nor the merge needs them.
+    near:         self_extend when some query-key distance may reach the window: (B|1, 1, L, S) bool,
+                  True where the neighbour score is used (`neighbour_mask`); None = plain attention.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    query_scale: torch.Tensor | None = None
+    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    near: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        positions: Positions,
+        kv_cache: KVCache | SlotWrite | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: (B, L, C) -> (B, L, C); mask: None (causal) or (B|1, 1, L, S) bool."""
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
+        k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, L, D)
+        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin, query_scale, grouped, near = positions
+        q_rot, k_rot = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        if query_scale is not None:
+            q_rot = q_rot * query_scale
+        k_grouped = None if grouped is None else rope.rotate(k, grouped[2], grouped[3])
+        if kv_cache is not None:  # keys are cached after rotation (both rotations with Self-Extend)
+            k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
+        dropout_p = self.dropout if self.training else 0.0
+        if near is None:
+            is_causal = mask is None and L > 1 and k_rot.shape[2] == L
+            y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
+        else:
+            q_grouped = rope.rotate(q, grouped[0], grouped[1])
+            y = merged_attention(q_rot, k_rot, q_grouped, k_grouped, v, near, mask, dropout_p)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+    def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
+        """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D)."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            enable_gqa=self.n_kv_heads != self.n_heads,  # no repeat_interleave copy of K/V
+        )
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., C): down_proj(silu(gate) * up), gate and up the halves of gate_up(x)."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LMHead(nn.Linear):
+    """The output projection (V, C), and the training loss computed from its logits."""
+
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, target_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Mean cross-entropy of the logits of hidden: (..., C) against targets: (...) class ids.
+
+        target_weights: (...) non-negative per-target weights (None = all 1): then the weighted mean,
+            sum(w * ce) / sum(w).
+        Returns a scalar in float32 (float64 for float64 weights): bf16 logits are upcast first.
+        """
+        logits = self(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if target_weights is None:
+            return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        losses = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+        weights = target_weights.flatten().to(losses.dtype)
+        return (losses * weights).sum() / weights.sum()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()  # p=0: skip the call
+
+    def forward(self, x, rope, positions, kv_cache, mask):
+        """x: (B, L, C) -> (B, L, C); the other arguments as in Attention.forward."""
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, positions, kv_cache, mask))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.mix_previous_tokens:  # (n, C): row i gates the embedding i + 1 back (ModelConfig says why)
+            self.previous_token_gates = nn.Parameter(torch.ones(cfg.mix_previous_tokens, cfg.d_model))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)  # the one instance all layers share
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2: keep the residual stream's scale
+        for block in self.blocks:
+            nn.init.normal_(block.attn.o_proj.weight, std=residual_std)
+            nn.init.normal_(block.mlp.down_proj.weight, std=residual_std)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+
+    def set_rope(self, rope_config) -> None:
+        """Swap the RoPE scaling (e.g. an inference-time override); weights are unchanged. The new
+        rope keeps the class of the old one, so a drop-in subclass installed from outside stays."""
+        self.config.rope = rope_config
+        self.rope = type(self.rope)(self.config.head_dim, rope_config).to(self.embed.weight.device)
+
+    def set_extend(self, extend_config: ExtendConfig) -> None:
+        """Swap the context extension (an inference-time override); weights are unchanged. A KV cache
+        is built for one extension (`KVCache.for_model`): build it after this call."""
+        self.config.extend = extend_config
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Unique parameters (a tied head counts once); `non_embedding` drops the token table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 * matmul params + attention
+        12 * layers * d_attn * seq_len (PaLM appendix B; causal masking not discounted)."""
+        cfg = self.config
+        matmul_params = (
+            self.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.d_model
+        )  # the head is a matmul
+        matmul_params -= sum(p.numel() for n, p in self.named_parameters() if "norm" in n)
+        return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+    def _attention_mask(self, L: int, kv_cache: KVCache | None, device) -> torch.Tensor | None:
+        """None when plain causal attention (or decoding one token without padding) is exact."""
+        if kv_cache is None:
+            return None
+        start, total = kv_cache.length, kv_cache.length + L
+        if kv_cache.key_mask is None and (L == 1 or start == 0):
+            return None
+        query_slot = torch.arange(start, total, device=device)[:, None]
+        key_slot = torch.arange(total, device=device)[None, :]
+        mask = key_slot <= query_slot  # (L, S) causal over cache slots
+        if kv_cache.key_mask is not None:  # padding keys are never attended (a row still sees itself)
+            mask = mask & (kv_cache.key_mask[:, None, :total] | (key_slot == query_slot))
+            return mask[:, None]  # (B, 1, L, S)
+        return mask[None, None]  # (1, 1, L, S)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
+        target_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """idx: (B, L) token ids -> logits (B, L, vocab), float32 unless autocast says otherwise.
+
+        position_ids: None (0..L-1, or continuing after the cache's filled slots), (L,) or (B, L).
+        kv_cache: if given, new keys/values go to its next slots and attention covers all filled ones.
+        targets: (B, L) next-token ids; if given, returns the mean cross-entropy (float32 scalar)
+            instead of the logits (`LMHead.loss`).
+        target_weights: (B, L) per-target loss weights (with targets; None = all 1).
+        """
+        B, L = idx.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None:
+            kv_cache.check_room(L)
+        if position_ids is not None:
+            self.rope.check_position_ids(position_ids, L, B)
+        seq_len = kv_cache.seq_len if kv_cache is not None else None
+        x = self.embed_tokens(idx, kv_cache)
+        if position_ids is None:
+            position_ids = torch.arange(start, start + L, device=idx.device)
+            seq_len = seq_len or start + L
+        dtype = autocast_dtype(x)  # the dtype q and k will have
+        positions = self.positions(
+            position_ids, dtype, seq_len, kv_cache, default=kv_cache is None and seq_len == L
+        )
+        x = self.hidden_states(x, positions, kv_cache, self._attention_mask(L, kv_cache, idx.device))
+        if kv_cache is not None:
+            kv_cache.advance(L)
+        if targets is not None:
+            return self.lm_head.loss(x, targets, target_weights)
+        return self.lm_head(x)
+
+    def embed_tokens(self, idx: torch.Tensor, kv_cache: KVCache | SlotWrite | None = None) -> torch.Tensor:
+        """idx: (B, L) ids -> (B, L, C) embeddings; with `mix_previous_tokens` = n, each plus
+        sum_i gates[i] * the embedding of the token i + 1 back (zero before the first token and over
+        padding). With a cache the predecessors of the first new tokens are read from it, and idx is
+        recorded there."""
+        x = self.embed(idx)
+        n = self.config.mix_previous_tokens
+        if not n:
+            return x
+        if kv_cache is None:  # (B, L, n, C): embedding i + 1 back, zeros before the first token
+            previous = torch.stack([F.pad(x[:, : x.shape[1] - i], (0, 0, i, 0)) for i in range(1, n + 1)], 2)
+        else:
+            ids, exists = kv_cache.previous_tokens(idx, n)
+            previous = self.embed(ids) * exists[..., None]
+        return x + (self.previous_token_gates * previous).sum(2)
+
+    def positions(
+        self,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+        seq_len: int | None,
+        kv_cache: KVCache | SlotWrite | None,
+        default: bool = False,
+    ) -> Positions:
+        """Everything attention needs about the positions of one forward's tokens (`Positions`).
+
+        position_ids: (L,) or (B, L); seq_len: as in `rope.cos_sin` (None = the largest id + 1, which
+        costs a host sync); default: the ids are 0..L-1 and seq_len is L, so cos/sin are a slice of the
+        table (no gather, no host sync). With Self-Extend and a cache, the tokens' positions are
+        recorded in the cache here (before any layer attends), and its grouped keys are written by
+        every forward, so a later forward whose distances reach the window finds them all.
+        """
+        if default:
+            cos, sin = self.rope.cos_sin(None, dtype, seq_len=seq_len, device=position_ids.device)
+        else:  # (the sync in the gather path is a torch.compile graph break)
+            cos, sin = self.rope.cos_sin(position_ids, dtype, seq_len=seq_len)
+        extend = self.config.extend
+        query_scale = None
+        if extend.logn:  # (L,) -> (L, 1), (B, L) -> (B, 1, L, 1): one scale per query row
+            scale = logn_scale(position_ids, extend.original_max_len).to(dtype)[..., None]
+            query_scale = scale if scale.ndim == 2 else scale[:, None]
+        if not extend.self_extend:
+            return Positions(cos, sin, query_scale)
+        if kv_cache is not None and not kv_cache.grouped:
+            raise ValueError(
+                "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after set_extend."
+            )
+        # the grouped ids are rotated with the true ids' RoPE length (dynamic NTK's frequencies)
+        seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
+        merge = not extend.plain_within(seq_len)
+        if kv_cache is None and not merge:
+            return Positions(cos, sin, query_scale)
+        query_ids = grouped_query_positions(position_ids, extend.window, extend.group)
+        key_ids = grouped_key_positions(position_ids, extend.group)
+        grouped = (
+            *self.rope.cos_sin(query_ids, dtype, seq_len=seq_len),
+            *self.rope.cos_sin(key_ids, dtype, seq_len=seq_len),
+        )
+        query_positions = position_ids if position_ids.ndim == 2 else position_ids[None]  # (B|1, L)
+        key_positions = query_positions if kv_cache is None else kv_cache.record_positions(position_ids)
+        near = neighbour_mask(query_positions, key_positions, extend.window)[:, None] if merge else None
+        return Positions(cos, sin, query_scale, grouped, near)
+
+    def hidden_states(
+        self,
+        x: torch.Tensor,
+        positions: Positions,
+        kv_cache: KVCache | SlotWrite | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(B, L, C) embeddings -> (B, L, C) normalised hidden states: every block, then the final norm.
+
+        positions: from `self.positions`; kv_cache and mask as in Attention.forward. `forward` runs this
+        between the embedding and the head; a caller with its own positions and mask
+        (`fixed_shape_step` of inference/generation.py) runs it directly.
+        """
+        for block in self.blocks:
+            x = block(x, self.rope, positions, kv_cache, mask)
+        return self.norm(x)

@@ -1,0 +1,192 @@
+"""Trainer plumbing: atomic + safe checkpoint IO, checkpoint callbacks, the recall probe at validation,
+and the Hydra callback that tells train.py whether it created its run directory.
+
+configs/callbacks/default.yaml instantiates the Lightning callbacks (these and Lightning's own), one
+entry each. The text sample at each validation is inference/samples.py's TextSample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import lightning as L
+import numpy as np
+import torch
+from hydra.experimental.callback import Callback as HydraCallback
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
+
+from rope_llama.core.checkpoint import atomic_torch_save, safe_load
+from rope_llama.data.recall import answer_accuracy, held_out_windows
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints are written to a temp file, fsynced and renamed (a kill mid-save keeps the
+    previous file), and read back with weights_only=True (a checkpoint can never run code)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        return safe_load(path, map_location=map_location or "cpu")
+
+
+class RecallProbe(L.Callback):
+    """After each validation, the teacher-forced answers of `windows` held-out recall windows (the run's own
+    `data.recall` format, haystacks from the validation split): logs `val/recall_digits` (share of answer
+    digits predicted; chance about 0.1) and `val/recall_exact` (share of answers right to the last digit), and
+    `val/digit_similarity`, the mean pairwise cosine of the ten digits' input embeddings (when each digit is
+    one token). A base that never learns to copy ends with a val bpc like one that does; its digits stay at
+    chance and their embeddings near one direction (docs/data.md, Recall windows). From `warn_after` of
+    max_steps on, digits below `warn_below` print a warning: every such base so far never learned to copy.
+    Does nothing in a run without recall windows."""
+
+    def __init__(
+        self,
+        windows: int = 64,
+        batch_size: int = 16,
+        seed: int = 0,
+        warn_after: float = 0.75,
+        warn_below: float = 0.5,
+    ):
+        self.count, self.batch_size, self.seed = windows, batch_size, seed
+        self.warn_after, self.warn_below = warn_after, warn_below
+        self.windows: list = []
+        self.digit_ids: list[int] = []
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        data = trainer.datamodule
+        recall = getattr(data, "recall", None)
+        if self.count < 1 or recall is None or recall.fraction == 0:
+            return
+        tokens = np.concatenate(data.documents("val"))
+        self.windows = held_out_windows(
+            data.tokenizer, recall, tokens, data.max_len + 1, self.count, self.seed
+        )
+        digits = [data.tokenizer.encode(str(d)) for d in range(10)]
+        self.digit_ids = [ids[0] for ids in digits] if all(len(ids) == 1 for ids in digits) else []
+        if not self.windows and trainer.is_global_zero:
+            print(f"RecallProbe: the validation split ({len(tokens)} tokens) cannot fill one window; off.")
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if not self.windows or trainer.sanity_checking:
+            return
+        tokens = torch.from_numpy(np.stack([w.tokens for w in self.windows]))  # (N, max_len + 1)
+        predictions = []
+        with trainer.precision_plugin.val_step_context():  # the dtype validation runs in
+            for batch in tokens.split(self.batch_size):
+                logits = pl_module.model(batch[:, :-1].to(pl_module.device))  # (b, max_len, V)
+                predictions.append(logits.argmax(-1).cpu())
+        exact, digits = answer_accuracy(torch.cat(predictions).numpy(), self.windows)
+        pl_module.log("val/recall_digits", digits, prog_bar=True)
+        pl_module.log("val/recall_exact", exact)
+        embedding = pl_module.model.embed.weight  # (V, C); a sharded FSDP parameter holds no whole rows here
+        if self.digit_ids and embedding.dim() == 2 and embedding.shape[0] > max(self.digit_ids):
+            pl_module.log("val/digit_similarity", mean_cosine(embedding[self.digit_ids]))
+        step, max_steps = trainer.global_step, trainer.max_steps
+        if 0 < self.warn_after * max_steps <= step and digits < self.warn_below and trainer.is_global_zero:
+            print(
+                f"RecallProbe: at step {step} of {max_steps} the held-out recall digits are at {digits:.2f} "
+                "(chance about 0.1); every recall_base run that low at step 1950 of 2600 never learned to copy "
+                "(docs/data.md, twenty-first round): another seed is the remedy.",
+                flush=True,
+            )
+
+
+def mean_cosine(vectors: torch.Tensor) -> float:
+    """Mean cosine similarity over the distinct pairs of the rows of `vectors` (n, C), n >= 2."""
+    unit = torch.nn.functional.normalize(vectors.detach().float(), dim=-1)
+    n = len(unit)
+    return float(((unit @ unit.T).sum() - n) / (n * (n - 1)))
+
+
+class SaveLastCheckpoint(L.Callback):
+    """Writes checkpoints/last.ckpt when training ends (whatever the save interval) and on SIGTERM
+    (what schedulers send before preemption: Lightning stops after the current batch, and this
+    saves at that boundary), so `ckpt_path=last` always resumes from the latest state."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.path = Path(ckpt_dir) / "last.ckpt"
+
+    def _save(self, trainer: L.Trainer) -> None:
+        trainer.save_checkpoint(self.path, weights_only=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self._save(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._save(trainer)
+            if trainer.is_global_zero:
+                print(f"\nSIGTERM at step {trainer.global_step}: saved {self.path}", flush=True)
+
+
+class EMAWeights(EMAWeightAveraging):
+    """Lightning's EMA of the weights (validation, checkpoints' `state_dict` and the final weights are the
+    average; the raw weights stay under `current_model_state`), except before its first update: Lightning's
+    would validate, save and end training with the initial weights it copied at setup, so with
+    `update_starting_at_step` every earlier validation and checkpoint would score an untrained model."""
+
+    def _averaging(self) -> bool:
+        return self._average_model is not None and int(self._average_model.n_averaged) > 0
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():  # n_averaged does not change during validation: the swap is undone
+            super().on_validation_epoch_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:
+        if self._averaging():
+            super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self._averaging():
+            super().on_train_end(trainer, pl_module)
+
+
+def step_checkpoint(dirpath: str | Path, every_n_train_steps: int, keep_all: bool = False) -> ModelCheckpoint:
+    """checkpoints/last.ckpt every `every_n_train_steps` steps (resume with ckpt_path=last); `keep_all`
+    also keeps checkpoints/stepNNNNNN.ckpt from every save (e.g. to resume mid-run)."""
+    return ModelCheckpoint(
+        dirpath=dirpath,
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        save_last=True,
+        save_top_k=-1 if keep_all else 0,
+        every_n_train_steps=every_n_train_steps,
+        # A run that ends before its first save gets last.ckpt from SaveLastCheckpoint, then from this
+        # callback's own on_train_end: overwrite it, not a second copy last-v1.ckpt.
+        enable_version_counter=False,
+    )
+
+
+class NewRunDirectories(HydraCallback):
+    """Hydra creates the run directory and writes .hydra/ and the log into it before train.py's main runs;
+    this notes first whether the directory is new, so a run refused before training removes only a
+    directory it created (configs/train.yaml registers it under hydra.callbacks)."""
+
+    created: ClassVar[set[Path]] = set()
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._note(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._note(config.hydra.sweep.dir)  # the job directories inside a new sweep directory are new too
+
+    def _note(self, directory: str) -> None:
+        path = Path(directory).resolve()
+        if not path.exists():
+            self.created.add(path)
+
+    @classmethod
+    def made_by_this_process(cls, run_dir: Path) -> bool:
+        """Whether `run_dir`, or the sweep directory holding it, did not exist before this process started it."""
+        run_dir = Path(run_dir).resolve()
+        return any(made == run_dir or made in run_dir.parents for made in cls.created)
