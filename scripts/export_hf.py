@@ -4,7 +4,7 @@
     python scripts/export_hf.py ckpt=runs/shakespeare/checkpoints/last.ckpt out=exports/x overwrite=true
 
 The directory loads with `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`
-and nothing else. The mapping itself lives in model/hf.py; docs/export.md lists what maps to what.
+and nothing else. The mapping itself lives in interchange/hf.py; docs/export.md lists what maps to what.
 """
 
 from __future__ import annotations

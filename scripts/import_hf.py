@@ -6,7 +6,7 @@
 
 Reads config.json (through transformers, which also normalises older `rope_scaling` configs),
 the safetensors weights (one file or an index of shards) and tokenizer.json, which is copied next
-to the checkpoint. The mapping itself lives in model/hf.py; docs/export.md lists what maps to what.
+to the checkpoint. The mapping itself lives in interchange/hf.py; docs/export.md lists what maps to what.
 """
 
 from __future__ import annotations

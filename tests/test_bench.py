@@ -1,4 +1,4 @@
-"""scripts/bench.py end to end in quick mode: every section present, ratios are ours / peer.
+"""tools/bench.py end to end in quick mode: every section present, ratios are ours / peer.
 
 No speed is asserted here (the machine may be busy); speed targets are reported by the script itself.
 """
@@ -14,8 +14,8 @@ from tests.helpers import ROOT
 
 
 def quick_bench(*args: str) -> subprocess.CompletedProcess:
-    """`python scripts/bench.py quick=true shapes=[tiny] <args>` from the repo root, output captured."""
-    cmd = [sys.executable, "scripts/bench.py", "quick=true", "shapes=[tiny]", *args]
+    """`python tools/bench.py quick=true shapes=[tiny] <args>` from the repo root, output captured."""
+    cmd = [sys.executable, "tools/bench.py", "quick=true", "shapes=[tiny]", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -88,7 +88,7 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
 
 def test_unknown_argument_is_one_sentence():
     run = subprocess.run(
-        [sys.executable, "scripts/bench.py", "shape=tiny"],
+        [sys.executable, "tools/bench.py", "shape=tiny"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -107,7 +107,7 @@ def test_bad_shape_or_output_fails_before_benchmarking(tmp_path):
         (["precision=fp16"], "precision=fp16 is unknown; allowed are auto, fp32, bf16"),
     ]:
         run = subprocess.run(
-            [sys.executable, "scripts/bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, "tools/bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
         assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
         assert "[bench" not in run.stderr  # no section started
@@ -174,8 +174,8 @@ def test_auto_training_precisions_add_bf16_only_where_it_is_native(
 ):
     import torch
 
-    from tools import bench
+    from rope_llama.bench import training
 
-    monkeypatch.setattr(bench, "bf16_is_native", lambda accelerator: (native, "the reason"))
-    assert bench.resolve_train_precisions(names, torch.device("cpu")) == expected
+    monkeypatch.setattr(training, "bf16_is_native", lambda accelerator: (native, "the reason"))
+    assert training.resolve_train_precisions(names, torch.device("cpu")) == expected
     assert ("the reason" in capsys.readouterr().err) == ("auto" in names)

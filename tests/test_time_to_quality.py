@@ -1,4 +1,4 @@
-"""scripts/time_to_quality.py: the first validation reaching each threshold, from a real (tiny) run."""
+"""tools/time_to_quality.py: the first validation reaching each threshold, from a real (tiny) run."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 transformer blocks compiled against eager (`compile: true|false`), or optim=muon's Newton-Schulz iterations
 in fp32 against bf16 (`optim.muon_dtype`; bf16 is what torch.optim.Muon always uses).
 
-    python scripts/bench_kernels.py               # model=small, batch 16 x 256, fp32 (and bf16 autocast *)
-    python scripts/bench_kernels.py repeats=15 threads=1 shape=tiny
-    python scripts/bench_kernels.py compare=compile precisions=[fp32]
-    python scripts/bench_kernels.py compare=muon_dtype precisions=[fp32] batch=8
+    python tools/bench_kernels.py               # model=small, batch 16 x 256, fp32 (and bf16 autocast *)
+    python tools/bench_kernels.py repeats=15 threads=1 shape=tiny
+    python tools/bench_kernels.py compare=compile precisions=[fp32]
+    python tools/bench_kernels.py compare=muon_dtype precisions=[fp32] batch=8
 
 A step is forward + fused-or-plain loss + backward + fused AdamW, as train.py runs it. compare=kernels:
 one model and one optimizer serve both settings (`use_kernels` swaps the modules' classes between calls),

@@ -1,7 +1,7 @@
 """Where does a model's copy attend when it answers the passkey? Attention of the prompt's last token, by depth.
 
-    python scripts/copy_attention.py ckpt=runs/<recall_base run>
-    python scripts/copy_attention.py ckpt=runs/<run> length=256 trials=8 heads=6
+    python tools/copy_attention.py ckpt=runs/<recall_base run>
+    python tools/copy_attention.py ckpt=runs/<run> length=256 trials=8 heads=6
 
 The passkey question ends in " is", a token the filler repeats ("The sky is blue.") and the needle holds
 once ("The pass key is 73912."). A copy head at the question's last token should attend to the position

@@ -1,8 +1,8 @@
 """How many training steps until a model copies from its context (an induction head forms)?
 
-    python scripts/induction_probe.py                          # model=small's shape, 1500 steps
-    python scripts/induction_probe.py steps=3000 lr=1e-3 seq_len=128 batch_size=16 repeats=2
-    python scripts/induction_probe.py alphabet=128 optim=muon lr=3e-3 mix_previous_tokens=1 steps=800
+    python tools/induction_probe.py                          # model=small's shape, 1500 steps
+    python tools/induction_probe.py steps=3000 lr=1e-3 seq_len=128 batch_size=16 repeats=2
+    python tools/induction_probe.py alphabet=128 optim=muon lr=3e-3 mix_previous_tokens=1 steps=800
 
 Trains a fresh decoder on synthetic windows only: random-token segments (8-24 tokens, uniform over the
 vocabulary) that each occur `repeats` times in shuffled order, so a repeated segment sits at a varying

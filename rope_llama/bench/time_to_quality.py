@@ -1,7 +1,7 @@
 """Time to quality: wall-clock and tokens until the default job first reaches each validation score.
 
-    python scripts/time_to_quality.py                                   # adamw and muon, fp32 (and bf16: below)
-    python scripts/time_to_quality.py recipes=[muon-bf16] thresholds=[2.10,2.02] out=ttq.json
+    python tools/time_to_quality.py                                   # adamw and muon, fp32 (and bf16: below)
+    python tools/time_to_quality.py recipes=[muon-bf16] thresholds=[2.10,2.02] out=ttq.json
 
 Each recipe is `<optim>-<precision>` (optim: adamw | muon; precision: fp32 | bf16), trained by the real
 `train.py` in a subprocess on the default data and model with validation every `val_every` steps. The
@@ -165,7 +165,3 @@ def main(argv: list[str]) -> list[dict]:
     out.write_text(json.dumps({"args": args, "results": results}, indent=2))
     print(markdown(results, args["thresholds"]))
     return results
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

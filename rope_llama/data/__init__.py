@@ -9,7 +9,7 @@ class DataError(ValueError):
 
 
 def __getattr__(name: str):
-    # Lazy, so `import data.tokenizer` or `data.cache` does not pay for importing Lightning (~8 s).
+    # Lazy, so `import rope_llama.data.tokenizer` or `.cache` does not pay for importing Lightning (~8 s).
     if name == "TextDataModule":
         from rope_llama.data.datamodule import TextDataModule
 

@@ -3,7 +3,7 @@ its tokenizer.
 
     ckpt, tokenizer = load_model("runs/default", device="auto", dtype="float32", rope={"scaling": "ntk", "factor": 8})
 
-What generate.py and the scripts load; the checkpoint format itself is inference/checkpoint.py's.
+What generate.py and the scripts load; the checkpoint format itself is core/checkpoint.py's.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class NonFiniteLossError(RuntimeError):
 
 class LitLlama(L.LightningModule):
     """Trains a Llama of `model_config` with `optim`; its checkpoints record the model config, the tokenizer
-    and `train_max_len` (inference/checkpoint.py's format) so the model can be rebuilt from them alone."""
+    and `train_max_len` (core/checkpoint.py's format) so the model can be rebuilt from them alone."""
 
     def __init__(
         self,

@@ -1,0 +1,119 @@
+"""tools/bench.py's report: the targets (re-set from measured limits: docs/performance.md) and the
+markdown tables of one run."""
+
+from __future__ import annotations
+
+from rope_llama.bench.time_to_quality import markdown as ttq_markdown
+
+TARGETS = [  # (name, description, comparison, threshold); re-set from measured limits, see docs/performance.md
+    ("train_eager_vs_transformers", "training tokens/s, default shape, eager, vs transformers", ">=", 1.0),
+    (
+        "train_compile_vs_transformers",
+        "training tokens/s, default shape, compiled, vs transformers",
+        ">=",
+        1.0,
+    ),
+    (
+        "train_bf16_vs_transformers",
+        "training tokens/s, default shape, eager, bf16 autocast, vs transformers",
+        ">=",
+        1.25,
+    ),
+    ("decode_vs_transformers", "decode tokens/s vs transformers generate", ">=", 4.0),
+    ("decode_vs_litgpt", "decode tokens/s vs litgpt generate", ">=", 2.0),
+    ("latency_longest_over_shortest", "decode latency at the longest context / the shortest", "<=", 2.2),
+    ("rope_vs_transformers", "RoPE op (fwd + bwd, q and k) vs transformers apply_rotary_pos_emb", ">=", 1.5),
+    ("train_mfu", "training MFU, default shape, eager, vs the measured matmul peak of its dtype", ">=", 0.55),
+]
+
+
+def target_values(results: dict) -> dict:
+    default, dtype = results["shapes"][0], results["dtype"]
+    train = {(t["shape"], t["compile"], t["dtype"]): t for t in results["train"]}
+    eager, compiled = train.get((default, False, dtype), {}), train.get((default, True, dtype), {})
+    bf16 = train.get((default, False, "bfloat16"), {})
+    return {
+        "train_eager_vs_transformers": eager.get("ratio", {}).get("transformers"),
+        "train_compile_vs_transformers": compiled.get("ratio", {}).get("transformers"),
+        "train_bf16_vs_transformers": bf16.get("ratio", {}).get("transformers"),
+        "decode_vs_transformers": results["generate"]["ratio_decode"].get("transformers"),
+        "decode_vs_litgpt": results["generate"]["ratio_decode"].get("litgpt"),
+        "latency_longest_over_shortest": results["decode_latency"]["longest_over_shortest"],
+        "rope_vs_transformers": results["rope"]["ratio"].get("transformers"),
+        "train_mfu": eager.get("mfu"),
+    }
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    values = target_values(results)
+    rows = []
+    for name, what, op, threshold in TARGETS:
+        value = values[name]
+        met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+        rows.append(dict(name=name, what=what, value=value, target=f"{op} {threshold}", met=met))
+    return rows
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:,.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["| measurement | side | ours | peer | ours / peer |", "|---|---|---|---|---|"]
+
+    def rows(label, values, ratio):
+        for side, r in ratio.items():
+            lines.append(f"| {label} | {side} | {fmt(values['ours'])} | {fmt(values[side])} | {r:.2f}x |")
+        if not ratio and "ours" in values:
+            lines.append(f"| {label} | - | {fmt(values['ours'])} | - | - |")
+
+    for t in results["train"]:
+        mode = "compiled" if t["compile"] else "eager"
+        label = f"train tok/s {t['shape']} {t['batch']}x{t['seq_len']} {mode} {t['dtype']}"
+        rows(label, t["tokens_per_s"], t["ratio"])
+    g = results["generate"]
+    rows(f"prefill tok/s (prompt {g['prompt_len']})", g["prefill_tokens_per_s"], g["ratio_prefill"])
+    rows(f"decode tok/s ({g['new_tokens']} new)", g["decode_tokens_per_s"], g["ratio_decode"])
+    r = results["rope"]
+    rows(f"RoPE fwd+bwd calls/s {tuple(r['shape_BHLD'])}", r["calls_per_s"], r["ratio"])
+    latency = results["decode_latency"]
+    columns = {f"ours ({path})": s for path, s in latency["seconds_per_token_by_decoder"].items()}
+    columns |= latency["peer_seconds_per_token"]  # {side: {context: seconds}}
+    ratios_by_context = latency["ratio_by_context"]
+    header = [f"{side} ms / token" for side in columns] + [f"ours / {peer}" for peer in ratios_by_context]
+    lines += ["", "| context | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for ctx in latency["seconds_per_token"]:
+        cells = [f"{1000 * s[ctx]:.2f}" for s in columns.values()]
+        cells += [f"{r[ctx]:.2f}x" for r in ratios_by_context.values()]
+        lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+    se = results["self_extend"]
+    lines += [
+        "",
+        f"| Self-Extend (W={se['window']}, G={se['group']}) at context {se['context']} | off | on | on / off |",
+    ]
+    lines.append("|---|---|---|---|")
+    for what, ratio in se["on_over_off"].items():
+        rates = (
+            se["prefill_tokens_per_s"]
+            if what == "prefill"
+            else {side: se["decode_tokens_per_s"][f"{side}_{what}"] for side in ("off", "on")}
+        )
+        label = "prefill tok/s" if what == "prefill" else f"decode tok/s ({what})"
+        lines.append(f"| {label} | {fmt(rates['off'])} | {fmt(rates['on'])} | {ratio:.2f}x |")
+    if "time_to_quality" in results:
+        lines += [
+            "",
+            ttq_markdown(results["time_to_quality"], sorted(results["args"]["ttq_thresholds"], reverse=True)),
+        ]
+    lines += ["", "| target | value | wanted | met |", "|---|---|---|---|"]
+    for t in results["targets"]:
+        met = "not measured" if t["met"] is None else "yes" if t["met"] else "no"
+        lines.append(f"| {t['what']} | {fmt(t['value'])} | {t['target']} | {met} |")
+    errors = {**results["peers_unavailable"]}
+    for section in (*results["train"], results["generate"], results["self_extend"], results["rope"]):
+        errors |= {
+            f"{side} ({section.get('shape', '')}{' compiled' if section.get('compile') else ''})": e
+            for side, e in section["errors"].items()
+        }
+    lines += [f"\nunavailable / failed: {name}: {why}" for name, why in errors.items()]
+    return "\n".join(lines)
