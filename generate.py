@@ -20,6 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import Tokenizer
@@ -33,8 +34,6 @@ from rope_llama.inference.generation import (
     score_tokens,
 )
 from rope_llama.inference.loading import load_model
-
-CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 
 
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
@@ -136,9 +135,9 @@ def run_sample(
 def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str) -> None:
     tokens = torch.tensor([tok.bos_id, *tok.encode(text)])
     losses = score_tokens(ckpt.model, tokens, cfg.chunk, cfg.start_pos)
-    train_len = ckpt.train_max_len or ckpt.config.rope.original_max_len
-    print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (training length {train_len})")
-    for b in position_buckets(losses, train_len, cfg.start_pos):
+    max_len = ckpt.max_len
+    print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (training length {max_len})")
+    for b in position_buckets(losses, max_len, cfg.start_pos):
         print(f"{f'{b.start}..{b.end}':>16} {b.tokens:8d} {b.loss:8.4f} {b.perplexity:10.2f}")
     loss = float(losses.double().mean())
     print(f"{'overall':>16} {losses.numel():8d} {loss:8.4f} {math.exp(loss):10.2f}")

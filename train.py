@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import (
     CheckpointError,
     check_weights_fit,
@@ -37,7 +38,6 @@ from rope_llama.training.loggers import finish_wandb
 from rope_llama.training.module import LitLlama, NonFiniteLossError
 from rope_llama.training.optim import resolve_muon_dtype
 
-CONFIGS = Path(__file__).resolve().parent / "configs"  # absolute: also works when imported (tests)
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
 
 
@@ -150,7 +150,7 @@ def setup_run(cfg: DictConfig):
         compile=compile_blocks,
         kernels=cfg.kernels,
         tokenizer=tokenizer,
-        train_max_len=cfg.data.max_len,
+        max_len=cfg.data.max_len,
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )

@@ -41,7 +41,6 @@ from rope_llama.inference.options import (
     method_names,
     method_ropes,
     print_matched_groups,
-    train_length,
     with_largest_cache,
     write_csv,
 )
@@ -82,7 +81,7 @@ def evaluate_grid(
     cfg: DictConfig, ckpt, methods: list[str], documents: list
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows)."""
-    train_len = train_length(ckpt)
+    max_len = ckpt.max_len
     rows, curves, per_window = [], [], []
     cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
     windows = {}
@@ -97,7 +96,7 @@ def evaluate_grid(
         losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
         keys = {"method": method, "length": length, "factor": factor}
         rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
-        rows.append(metric_row("tail_ppl", losses[:, -train_len:].mean(1), owners, cfg, **keys))
+        rows.append(metric_row("tail_ppl", losses[:, -max_len:].mean(1), owners, cfg, **keys))
         if cfg.sliding_stride is not None:
             stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
             sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
@@ -105,7 +104,7 @@ def evaluate_grid(
         for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
             curves.append({**keys, "start": start, "end": end, "loss": loss})
         windows_seen = Counter()  # a window's index within its document
-        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -train_len:].mean(1)):
+        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -max_len:].mean(1)):
             per_window.append(
                 {
                     **keys,
@@ -135,7 +134,7 @@ def markdown_tables(rows: list[dict], header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_ppl_vs_length(rows: list[dict], train_len: int, path: Path) -> None:
+def plot_ppl_vs_length(rows: list[dict], max_len: int, path: Path) -> None:
     """Perplexity (and tail perplexity) vs evaluation length, one line per method, 95% bands."""
     metrics = [m for m in ("ppl", "tail_ppl") if any(r["metric"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
@@ -148,7 +147,7 @@ def plot_ppl_vs_length(rows: list[dict], train_len: int, path: Path) -> None:
             x = [r["length"] for r in sel]
             ax.plot(x, [r["value"] for r in sel], marker="o", label=method)
             ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel], alpha=0.15)
-        ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)  # the training length
+        ax.axvline(max_len, color="gray", linestyle="--", linewidth=1)  # the training length
         ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=metric, title=metric)
         ax.set_xscale("log", base=2)
         ax.legend()
@@ -157,14 +156,14 @@ def plot_ppl_vs_length(rows: list[dict], train_len: int, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss_vs_position(curves: list[dict], train_len: int, path: Path) -> None:
+def plot_loss_vs_position(curves: list[dict], max_len: int, path: Path) -> None:
     """Loss vs position at the longest length, one curve per method."""
     longest = max(c["length"] for c in curves)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(c["method"] for c in curves):
         sel = [c for c in curves if c["method"] == method and c["length"] == longest]
         ax.plot([(c["start"] + c["end"]) / 2 for c in sel], [c["loss"] for c in sel], label=method)
-    ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
+    ax.axvline(max_len, color="gray", linestyle="--", linewidth=1)
     ax.set(xlabel="position", ylabel="loss (nats / token)", title=f"loss vs position at T={longest}")
     ax.legend()
     fig.tight_layout()
@@ -201,10 +200,10 @@ def run(cfg: DictConfig) -> list[dict]:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    train_len = train_length(ckpt)
+    max_len = ckpt.max_len
     n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}
     note = (
-        f"# Extrapolation: {ckpt.path}\n\nTraining length L = {train_len}; {len(documents)} {cfg.split} documents, "
+        f"# Extrapolation: {ckpt.path}\n\nTraining length L = {max_len}; {len(documents)} {cfg.split} documents, "
         f"up to {cfg.max_windows} non-overlapping windows each (windows per length: {n_windows}). "
         f"Factors: {cfg.factor}. 95% intervals (results.csv) bootstrap over {cfg.bootstrap}s, seed {cfg.seed}"
         + (
@@ -218,8 +217,8 @@ def run(cfg: DictConfig) -> list[dict]:
     write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
     write_csv(out / "windows.csv", per_window)
     (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
-    plot_ppl_vs_length(rows, train_len, out / "ppl_vs_length.png")
-    plot_loss_vs_position(curves, train_len, out / "loss_vs_position.png")
+    plot_ppl_vs_length(rows, max_len, out / "ppl_vs_length.png")
+    plot_loss_vs_position(curves, max_len, out / "loss_vs_position.png")
     print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
     print(
         f"Wrote {out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"

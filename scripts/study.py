@@ -215,11 +215,11 @@ def seed_table(windows: list[dict], corpus: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def paired_ppl(windows: list[dict], corpus: str, model: str, train_len: int) -> tuple[list[dict], str]:
+def paired_ppl(windows: list[dict], corpus: str, model: str, max_len: int) -> tuple[list[dict], str]:
     """For every length beyond training: every pair of `model`'s methods compared on the same windows
     (mean loss difference in nats; units = (seed, document, window), clusters = (document, seed))."""
     rows, text = [], []
-    for length in sorted({w["length"] for w in windows if w["model"] == model and w["length"] > train_len}):
+    for length in sorted({w["length"] for w in windows if w["model"] == model and w["length"] > max_len}):
         cell = [w for w in windows if w["model"] == model and w["length"] == length]
         by_method = defaultdict(dict)
         for w in cell:
@@ -361,7 +361,7 @@ def retrieval_cell(row: dict, name: str) -> str:
     return f"{row[f'{name}_acc']:.0%} [{row[f'{name}_low']:.0%}, {row[f'{name}_high']:.0%}]"
 
 
-def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> None:
+def plot_corpora(windows: dict[str, list[dict]], max_len: int, path: Path) -> None:
     """Perplexity vs length per corpus: one line per model/method, the mean over seeds (the range shaded)."""
     fig, axes = plt.subplots(1, len(windows), figsize=(7 * len(windows), 5), squeeze=False)
     for ax, (corpus, rows) in zip(axes[0], windows.items()):
@@ -379,7 +379,7 @@ def plot_corpora(windows: dict[str, list[dict]], train_len: int, path: Path) -> 
             ax.fill_between(
                 x, [min(by_length[t]) for t in x], [max(by_length[t]) for t in x], color=color, alpha=0.12
             )
-        ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
+        ax.axvline(max_len, color="gray", linestyle="--", linewidth=1)
         ax.set(
             xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity", title=corpus
         )

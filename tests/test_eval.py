@@ -801,7 +801,7 @@ def test_study_tables_average_seeds_and_mark_only_significant_orderings():
         f"| base/none | 3 | {np.mean(per_seed):,.2f} [{min(per_seed):,.2f}, {max(per_seed):,.2f}] |" in table
     )
     assert "| base/good | 3 | **" in table  # the best mean is bold
-    rows, text = study.paired_ppl(windows, "own", "base", train_len=256)
+    rows, text = study.paired_ppl(windows, "own", "base", max_len=256)
     significant = {(r["a"], r["b"]): r["better"] for r in rows if r["significant"]}
     assert significant == {("none", "good"): "good", ("good", "same"): "good"}
     good_vs_none = next(r for r in rows if {r["a"], r["b"]} == {"none", "good"})

@@ -265,7 +265,9 @@ def test_cache_paths_equal_the_full_forward(rope, extend):
                 out.append(model(idx[:, t : t + 1], position_ids=positions[t : t + 1], kv_cache=cache))
             else:
                 slot = cache.next_slot()
-                at = model.positions(positions[t, None, None], torch.float32, seq_len, cache.at_slot(slot))
+                at = model.position_encoding(
+                    positions[t, None, None], torch.float32, seq_len, cache.at_slot(slot)
+                )
                 out.append(compiled_fixed_shape_step()(model, idx[:, t : t + 1], at, cache, slot)[:, None])
                 cache.advance(1)
     torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-5, rtol=0)
@@ -309,7 +311,7 @@ def test_logn_scales_the_queries_by_the_closed_form():
     """log-n attention equals plain attention over queries multiplied by max(1, log(p + 1) / log(L0))."""
     model = extended(ROPES["none"], EXTENDS["logn"])
     attn, x = model.blocks[0].attn, torch.randn(1, L, 64)
-    positions = model.positions(torch.arange(L), torch.float32, L, None)
+    positions = model.position_encoding(torch.arange(L), torch.float32, L, None)
     scale = torch.tensor([max(1.0, math.log(p + 1) / math.log(L0)) for p in range(L)])
     with torch.no_grad():
         q, k, v = attn.qkv(x).split([64, 32, 32], dim=-1)
@@ -325,9 +327,9 @@ def test_self_extend_cache_keeps_both_rotations_and_counts_them():
     model = extended(ROPES["none"], EXTENDS["self_extend"])
     cache = KVCache.for_model(model, 2, 50)
     plain = KVCache.for_model(extended(ROPES["none"], ExtendConfig()), 2, 50)
-    assert plain.k_grouped is None and plain.positions is None
+    assert plain.k_grouped is None and plain.slot_positions is None
     assert cache.nbytes == KVCache.bytes_for_model(model.config, 2, 50, torch.float32) - 8 * 50
-    assert cache.nbytes == plain.nbytes * 3 // 2 + cache.positions.nbytes
+    assert cache.nbytes == plain.nbytes * 3 // 2 + cache.slot_positions.nbytes
     with pytest.raises(
         ValueError, match="This KV cache holds no Self-Extend keys; build it with KVCache.for_model"
     ):

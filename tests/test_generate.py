@@ -148,7 +148,7 @@ def test_fixed_shape_step_equals_full_forward(rope, n_kv_heads):
         steps = []
         for t in range(5):
             slot = cache.next_slot()
-            at = model.positions(positions[6 + t, None], torch.float32, 511, cache.at_slot(slot))
+            at = model.position_encoding(positions[6 + t, None], torch.float32, 511, cache.at_slot(slot))
             steps.append(fixed_shape_step(model, rest[:, t : t + 1], at, cache, slot))
             cache.advance(1)
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
@@ -165,7 +165,7 @@ def test_an_eager_forward_after_a_fixed_shape_step_appends():
         cache = KVCache.for_model(model, 1, 16, seq_len=16)  # 6 slots never written
         model(tokens[:, :6], kv_cache=cache)
         slot = cache.next_slot()
-        at = model.positions(torch.tensor([6]), torch.float32, 16, cache.at_slot(slot))
+        at = model.position_encoding(torch.tensor([6]), torch.float32, 16, cache.at_slot(slot))
         steps = [fixed_shape_step(model, tokens[:, 6:7], at, cache, slot)]
         cache.advance(1)
         steps += [model(tokens[:, t : t + 1], kv_cache=cache)[:, -1] for t in range(7, 10)]

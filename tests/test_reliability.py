@@ -325,17 +325,22 @@ def test_truncated_and_foreign_files_give_one_sentence(tmp_path):
         assert "\n" not in str(info.value)
 
 
-def test_checkpoint_without_a_format_version_loads_and_a_newer_one_is_refused(tmp_path):
+def test_checkpoint_of_format_1_loads_and_a_newer_one_is_refused(tmp_path):
+    """Format 1 (no `format_version` entry) named the training length `train_max_len`."""
     tok = text_tokenizer(tmp_path)
     ckpt = weights_checkpoint(tiny(tok.vocab_size), tok, L0)
-    atomic_torch_save({k: v for k, v in ckpt.items() if k != "format_version"}, tmp_path / "unversioned.ckpt")
-    assert load_checkpoint(tmp_path / "unversioned.ckpt").train_max_len == L0
+    assert ckpt["format_version"] == 2 and ckpt["max_len"] == L0
+    old = {k: v for k, v in ckpt.items() if k not in ("format_version", "max_len")} | {
+        "train_max_len": 4 * L0
+    }
+    atomic_torch_save(old, tmp_path / "unversioned.ckpt")
+    assert load_checkpoint(tmp_path / "unversioned.ckpt").max_len == 4 * L0  # not the RoPE's original_max_len
     newer = tmp_path / "newer.ckpt"
     atomic_torch_save(ckpt | {"format_version": FORMAT_VERSION + 1}, newer)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(newer)
     assert str(info.value) == (
-        f"{newer} is in checkpoint format {FORMAT_VERSION + 1}, but this code reads format {FORMAT_VERSION}; "
+        f"{newer} is in checkpoint format {FORMAT_VERSION + 1}, but this code reads formats up to {FORMAT_VERSION}; "
         "use the version of this project that wrote it."
     )
 

@@ -126,7 +126,7 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     ).is_file()
     assert (run_dir / "tokenizer.json").is_file() and "step 40" in (run_dir / "samples.txt").read_text()
     ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
-    assert ckpt["train_max_len"] == 32 and ckpt["model_config"]["rope"]["original_max_len"] == 32
+    assert ckpt["max_len"] == 32 and ckpt["model_config"]["rope"]["original_max_len"] == 32
     assert len(ckpt["tokenizer"]["sha256"]) == 64
 
 

@@ -3,7 +3,7 @@ atomic saving, and rebuilding a model alone.
 
 The format: a dict holding the network's weights under `state_dict` (names prefixed `model.`, as
 Lightning writes a LitLlama's) and the plain entries of `format_entries`: `format_version`,
-`model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"}) and `train_max_len`. That is
+`model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"}) and `max_len` (the training length). That is
 all generate.py and the scripts need to rebuild model + tokenizer. A training checkpoint is Lightning's
 dict with these entries added (training/module.py); scripts/import_hf.py writes `weights_checkpoint`.
 """
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from rope_llama.data.tokenizer import Tokenizer
 
 # Raise it when an entry changes meaning, and teach `read_entries` the older versions; a checkpoint
-# without the entry is version 1.
-FORMAT_VERSION = 1
+# without the entry is version 1. Version 2 renamed `max_len` to `max_len`.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATE_PREFIX = "model."  # LitLlama's attribute holding the network: Lightning prefixes its weights with it
 
 
@@ -43,7 +44,7 @@ class LoadedCheckpoint:
     config: ModelConfig
     tokenizer_path: str | None
     tokenizer_sha256: str | None
-    train_max_len: int | None
+    max_len: int | None
     path: Path
 
     def tokenizer_file(self) -> Path:
@@ -120,7 +121,7 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         raise
 
 
-def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, train_max_len: int | None) -> dict:
+def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, max_len: int | None) -> dict:
     """The plain entries a checkpoint carries beside the weights: the model config, the tokenizer file
     (path + sha256; none for a module trained without one) and the length the model was trained at."""
     return {
@@ -129,31 +130,33 @@ def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, train_max_l
         "tokenizer": {"path": str(Path(tokenizer.path).resolve()), "sha256": tokenizer.sha256}
         if tokenizer
         else {},
-        "train_max_len": train_max_len,
+        "max_len": max_len,
     }
 
 
-def weights_checkpoint(model: Llama, tokenizer: Tokenizer, train_max_len: int | None) -> dict:
+def weights_checkpoint(model: Llama, tokenizer: Tokenizer, max_len: int | None) -> dict:
     """A checkpoint of weights only (no training state): what generate.py, the scripts and `init_from` read."""
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
-    return {"state_dict": state, **format_entries(model.config, tokenizer, train_max_len)}
+    return {"state_dict": state, **format_entries(model.config, tokenizer, max_len)}
 
 
 def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict, int | None]:
-    """(model config, tokenizer {"path", "sha256"}, train_max_len) of a checkpoint read from `path`."""
+    """(model config, tokenizer {"path", "sha256"}, training length) of a checkpoint read from `path`; a
+    checkpoint that records no training length (an import) is taken at its RoPE's original_max_len."""
     if "model_config" not in ckpt:
         raise CheckpointError(f"{path} has no 'model_config'; it was not written by this project's train.py.")
     version = ckpt.get("format_version", 1)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path} is in checkpoint format {version!r}, but this code reads format {FORMAT_VERSION}; "
+            f"{path} is in checkpoint format {version!r}, but this code reads formats up to {FORMAT_VERSION}; "
             "use the version of this project that wrote it."
         )
     try:
         config = ModelConfig.from_dict(dict(ckpt["model_config"]))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} has an invalid model_config: {e}") from None
-    return config, dict(ckpt.get("tokenizer") or {}), ckpt.get("train_max_len")
+    max_len = ckpt.get("max_len" if version >= 2 else "max_len") or config.rope.original_max_len
+    return config, dict(ckpt.get("tokenizer") or {}), max_len
 
 
 def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -217,7 +220,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
     """Rebuild the model (eval mode, weights loaded strictly) from a checkpoint file or run dir."""
     p = resolve_checkpoint(path)
     ckpt = safe_load(p, map_location)
-    config, tokenizer, train_max_len = read_entries(ckpt, p)
+    config, tokenizer, max_len = read_entries(ckpt, p)
     model = Llama(config)
     load_weights(model, model_state_from_checkpoint(ckpt), f"{p} weights do not match its model_config")
     return LoadedCheckpoint(
@@ -225,6 +228,6 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
         config=config,
         tokenizer_path=tokenizer.get("path"),
         tokenizer_sha256=tokenizer.get("sha256"),
-        train_max_len=train_max_len,
+        max_len=max_len,
         path=p,
     )

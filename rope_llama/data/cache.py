@@ -30,6 +30,7 @@ import xxhash
 from filelock import FileLock
 from tqdm import tqdm
 
+from rope_llama import ROOT
 from rope_llama.data import DataError
 from rope_llama.data.sources import (
     SHAKESPEARE_TEST,
@@ -51,8 +52,8 @@ SCAN_CHUNK_BYTES = 2**20
 
 
 def default_cache_root() -> str:
-    """<repo>/.cache/data, where <repo> is the parent of the data/ package."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "data")
+    """<checkout>/.cache/data (the checkout holds the rope_llama package)."""
+    return str(ROOT / ".cache" / "data")
 
 
 class TokenCache:

@@ -1,7 +1,7 @@
 """Length-extrapolation metrics: windows, perplexities, per-position curves, bootstrap intervals.
 
-    rope = method_rope(ckpt.config.rope, "yarn", matched_factor(4096, 256), train_len=256)
-    extend = method_extend(ckpt.config.extend, "yarn+logn", train_len=256)   # a method may add an extension
+    rope = method_rope(ckpt.config.rope, "yarn", matched_factor(4096, 256), max_len=256)
+    extend = method_extend(ckpt.config.extend, "yarn+logn", max_len=256)   # a method may add an extension
     windows, docs = split_windows(documents, length=4096, max_windows=4)   # (W, 4097), (W,)
     losses = window_losses(model, windows, chunk=1024, batch=2)           # (W, 4096) nats per token
     loss, low, high = bootstrap_mean(losses.mean(1), groups=None, seed=0)  # point + 95% interval
@@ -35,9 +35,9 @@ EXTENSIONS = tuple(m for m in EXTEND_METHODS if m != "none")  # the extension pa
 # ----------------------------------------------------------------------------- methods
 
 
-def matched_factor(length: int, train_len: int) -> float:
+def matched_factor(length: int, max_len: int) -> float:
     """Scale factor that maps `length` onto the training length ("matched"); never below 1."""
-    return max(1.0, length / train_len)
+    return max(1.0, length / max_len)
 
 
 def split_method(method: str) -> tuple[str, str | None]:
@@ -58,18 +58,18 @@ def check_method(method: str) -> None:
     split_method(method)
 
 
-def method_rope(ckpt_rope: RopeConfig, method: str, factor: float, train_len: int) -> RopeConfig:
+def method_rope(ckpt_rope: RopeConfig, method: str, factor: float, max_len: int) -> RopeConfig:
     """The RoPE a method evaluates with: the checkpoint's (base, layout, ...) with the scaling
     replaced, `factor` and original_max_len = the checkpoint's training length. `ckpt` = unchanged."""
     scaling, _ = split_method(method)
     if scaling == CKPT_METHOD:
         return ckpt_rope
     factor = 1.0 if scaling == "none" else float(factor)  # unused by `none`; 1 keeps reports honest
-    return override_rope(ckpt_rope, {"scaling": scaling, "factor": factor, "original_max_len": train_len})
+    return override_rope(ckpt_rope, {"scaling": scaling, "factor": factor, "original_max_len": max_len})
 
 
 def method_extend(
-    ckpt_extend: ExtendConfig, method: str, train_len: int, options: dict | None = None
+    ckpt_extend: ExtendConfig, method: str, max_len: int, options: dict | None = None
 ) -> ExtendConfig:
     """The extension a method evaluates with: the one it names, with `options` (e.g. window, group)
     over the checkpoint's values and original_max_len = the checkpoint's training length; none when
@@ -77,7 +77,7 @@ def method_extend(
     scaling, extension = split_method(method)
     if extension is None and scaling == CKPT_METHOD:
         return ckpt_extend
-    values = {**(options or {}), "method": extension or "none", "original_max_len": train_len}
+    values = {**(options or {}), "method": extension or "none", "original_max_len": max_len}
     return override_extend(ckpt_extend, values)
 
 

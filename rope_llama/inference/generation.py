@@ -4,7 +4,7 @@
     out = generate(model, [[bos, *ids]], max_new_tokens=200, sampling=sampling, eos_id=eos, seed=0)
     out.tokens[0]                                    # the new token ids of row 0
     losses = score_tokens(model, tokens, chunk=64)   # (T-1,) per-token NLL, teacher-forced; (B, T) -> (B, T-1)
-    buckets = position_buckets(losses, train_len=256)
+    buckets = position_buckets(losses, max_len=256)
 
 Positions are explicit: a prompt of n tokens is placed at RoPE positions start_pos..start_pos+n-1,
 whatever cache slots it lands in. Batches of prompts are LEFT padded: every row's first real token
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from rope_llama.core.memory import check_fits, forward_bytes, new_kv_cache
 from rope_llama.kernels.cpu_decode import NativeDecodeUnavailable, NativeStep
 from rope_llama.model.kv_cache import KVCache
-from rope_llama.model.llama import Llama, Positions
+from rope_llama.model.llama import Llama, PositionEncoding
 
 
 class GenerationError(ValueError):
@@ -322,19 +322,19 @@ class EagerStep:
 def fixed_shape_step(
     model: Llama,
     token: torch.Tensor,
-    positions: Positions,
+    encoding: PositionEncoding,
     cache: KVCache,
     slot: torch.Tensor,
 ) -> torch.Tensor:
     """The one-token forward whose shapes never change: token ids (B, 1) written at the (1,) long
     cache `slot`, attending over every slot under the slot mask (KVCache.at_slot) -> logits (B, V).
 
-    positions: the tokens' `model.positions(ids, dtype, seq_len, cache.at_slot(slot))`, ids (B, 1);
+    encoding: the tokens' `model.position_encoding(ids, dtype, seq_len, cache.at_slot(slot))`, ids (B, 1);
     with Self-Extend its neighbour mask covers every slot. No Python number in it changes from step
     to step, so torch.compile builds it once per cache shape. The caller advances the cache.
     """
     write = cache.at_slot(slot)
-    x = model.hidden_states(model.embed_tokens(token, write), positions, write, write.mask())
+    x = model.hidden_states(model.embed_tokens(token, write), encoding, write, write.mask())
     return model.lm_head(x[:, -1])
 
 
@@ -368,10 +368,10 @@ class CompiledStep:
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         ids, slot = self.position_ids[:, cache.length, None], cache.next_slot()  # (B, 1), (1,)
-        positions = self.model.positions(
+        encoding = self.model.position_encoding(
             ids, self.model.embed.weight.dtype, cache.seq_len, cache.at_slot(slot)
         )
-        logits = self.step(self.model, token, positions, cache, slot)
+        logits = self.step(self.model, token, encoding, cache, slot)
         cache.advance(1)
         return logits
 
@@ -512,13 +512,13 @@ class Bucket:
         return math.exp(self.loss)
 
 
-def position_buckets(losses: torch.Tensor, train_len: int, start_pos: int = 0) -> list[Bucket]:
+def position_buckets(losses: torch.Tensor, max_len: int, start_pos: int = 0) -> list[Bucket]:
     """Group per-token losses by position: [0, L), [L, 2L), [2L, 4L), [4L, 8L), ... (empty ones dropped).
 
     losses: (N,) as returned by score_tokens; losses[i] was predicted at position start_pos + i.
     """
     buckets, end = [], start_pos + losses.numel()
-    lo, hi = 0, train_len
+    lo, hi = 0, max_len
     while lo < end:
         first, last = max(lo, start_pos) - start_pos, min(hi, end) - start_pos  # slice of `losses`
         if last > first:

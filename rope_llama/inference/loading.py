@@ -36,11 +36,11 @@ def load_model(
             f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {loaded.config.vocab_size}."
         )
     own = loaded.config.rope
-    new = own if rope is None else override_rope(own, rope, loaded.train_max_len)
+    new = own if rope is None else override_rope(own, rope, loaded.max_len)
     if new.base != own.base:
         print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
     loaded.model.to(device=torch_device, dtype=torch_dtype)
     loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
     if extend is not None:
-        loaded.model.set_extend(override_extend(loaded.config.extend, extend, loaded.train_max_len))
+        loaded.model.set_extend(override_extend(loaded.config.extend, extend, loaded.max_len))
     return loaded, tokenizer

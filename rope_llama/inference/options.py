@@ -90,11 +90,6 @@ def check_common(cfg: DictConfig) -> None:
         torch.set_num_threads(int(cfg.threads))
 
 
-def train_length(ckpt: LoadedCheckpoint) -> int:
-    """The length the checkpoint was (last) trained at: the `original_max_len` of every method."""
-    return ckpt.train_max_len or ckpt.config.rope.original_max_len
-
-
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
     """The requested methods, plus `ckpt` when the checkpoint was trained with a RoPE scaling or an
     extension."""
@@ -115,11 +110,11 @@ def extend_options(cfg: DictConfig) -> dict:
 def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
     """{method: ExtendConfig} for one evaluation length; group `matched` = the least group whose reach
     at that length stays within 3/4 of the training length (model/extend.py's matched_group)."""
-    train_len = train_length(ckpt)
+    max_len = ckpt.max_len
     options = extend_options(cfg)
     if options.get("group") == MATCHED:
-        options["group"] = matched_group(length, options.get("window", ckpt.config.extend.window), train_len)
-    return {m: method_extend(ckpt.config.extend, m, train_len, options) for m in methods}
+        options["group"] = matched_group(length, options.get("window", ckpt.config.extend.window), max_len)
+    return {m: method_extend(ckpt.config.extend, m, max_len, options) for m in methods}
 
 
 def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> None:
@@ -132,7 +127,7 @@ def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[
         if extends:
             groups[length] = extends[0].group
     if groups:
-        print(f"Self-Extend groups (matched to training length {train_length(ckpt)}): {groups}")
+        print(f"Self-Extend groups (matched to training length {ckpt.max_len}): {groups}")
 
 
 def with_largest_cache(model, extends: dict) -> None:
@@ -143,12 +138,12 @@ def with_largest_cache(model, extends: dict) -> None:
 
 def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
     """{method: (RopeConfig, its factor)} for one evaluation length; `matched` = T / training length."""
-    train_len = train_length(ckpt)
-    factor = matched_factor(length, train_len) if cfg.factor == MATCHED else float(cfg.factor)
+    max_len = ckpt.max_len
+    factor = matched_factor(length, max_len) if cfg.factor == MATCHED else float(cfg.factor)
     extra = OmegaConf.to_container(cfg.rope_options, resolve=True)
     own = ckpt.config.rope
     base = override_rope(own, {"original_max_len": own.original_max_len, **extra}) if extra else own
-    ropes = {m: method_rope(base, m, factor, train_len) for m in methods}
+    ropes = {m: method_rope(base, m, factor, max_len) for m in methods}
     return {m: (rope, rope.factor) for m, rope in ropes.items()}
 
 

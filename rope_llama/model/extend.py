@@ -95,7 +95,7 @@ class ExtendConfig:
         return not self.self_extend or seq_len <= self.window or self.group == 1
 
 
-def override_extend(base: ExtendConfig, override: dict, train_max_len: int | None = None) -> ExtendConfig:
+def override_extend(base: ExtendConfig, override: dict, max_len: int | None = None) -> ExtendConfig:
     """The checkpoint's extension with an inference-time override applied (a configs/extend group).
     `original_max_len: None` (or absent) means the checkpoint's training length."""
     known = {f.name for f in fields(ExtendConfig)}
@@ -104,7 +104,7 @@ def override_extend(base: ExtendConfig, override: dict, train_max_len: int | Non
         raise ValueError(f"Unknown extend keys {unknown}; allowed keys are {sorted(known)}.")
     values = dict(override)
     if values.get("original_max_len") is None:
-        values["original_max_len"] = train_max_len or base.original_max_len
+        values["original_max_len"] = max_len or base.original_max_len
     return replace(base, **values)
 
 
@@ -135,18 +135,18 @@ def self_extend_reach(seq_len: int, window: int, group: int) -> int:
     return (seq_len - 1) // group + window - window // group
 
 
-def matched_group(seq_len: int, window: int, train_len: int) -> int:
+def matched_group(seq_len: int, window: int, max_len: int) -> int:
     """Self-Extend's counterpart of a matched RoPE factor: 1 (plain attention) when `seq_len` fits the
     training length, else the least group size G whose reach stays within MATCHED_REACH of it. Not the
-    whole length: in training a distance d is seen only by the last train_len - d queries of a window,
-    so the distances near train_len are barely trained (docs/extrapolation.md measures the choice)."""
-    limit = int(MATCHED_REACH * train_len) - 1
+    whole length: in training a distance d is seen only by the last max_len - d queries of a window,
+    so the distances near max_len are barely trained (docs/extrapolation.md measures the choice)."""
+    limit = int(MATCHED_REACH * max_len) - 1
     if window > limit:
         raise ValueError(
             f"extend window ({window}) must be at most {limit} ({MATCHED_REACH:.0%} of the training length "
-            f"{train_len}, less one) for a matched group."
+            f"{max_len}, less one) for a matched group."
         )
-    if seq_len <= train_len:
+    if seq_len <= max_len:
         return 1
     group = 2
     while self_extend_reach(seq_len, window, group) > limit:  # ends: the reach falls to W as G grows

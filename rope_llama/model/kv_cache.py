@@ -84,7 +84,7 @@ class KVCache:
             [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if grouped else None
         )
         # (B, capacity) int64: the position of each slot's token (Self-Extend's distances)
-        self.positions = (
+        self.slot_positions = (
             torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
         )
         # (B, capacity) int64: the token id of each slot (the predecessor of the next slot's token)
@@ -141,7 +141,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        grouped = [*self.k_grouped, self.positions] if self.grouped else []
+        grouped = [*self.k_grouped, self.slot_positions] if self.grouped else []
         ids = [self.token_ids] if self.token_ids is not None else []
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *grouped, *ids))
 
@@ -181,8 +181,8 @@ class KVCache:
         """Write the positions (L,) or (B, L) of a grouped cache's next L slots; return the (B, S)
         positions of the S = length + L filled slots."""
         start, end = self.length, self.length + position_ids.shape[-1]
-        self.positions[:, start:end] = position_ids
-        return self.positions[:, :end]
+        self.slot_positions[:, start:end] = position_ids
+        return self.slot_positions[:, :end]
 
     def previous_tokens(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the ids idx: (B, L) of the next L slots; return the ids 1..n slots before each (B, L, n)
@@ -235,8 +235,8 @@ class SlotWrite:
 
     def record_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Write the positions (B, 1) of the token at `slot`; return the (B, capacity) positions."""
-        self.cache.positions[:, self.slot] = position_ids
-        return self.cache.positions
+        self.cache.slot_positions[:, self.slot] = position_ids
+        return self.cache.slot_positions
 
     def previous_tokens(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KVCache.previous_tokens for the one token per row idx: (B, 1) at `slot`."""

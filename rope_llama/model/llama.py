@@ -1,7 +1,7 @@
 """LLaMA-style decoder: RMSNorm, grouped-query attention with RoPE, SwiGLU, tied LM head.
 
 Every attention layer uses the model's ONE RotaryEmbedding: cos/sin are gathered once per forward
-(`Llama.positions`, with what a context extension of model/extend.py adds: log-n query scales,
+(`Llama.position_encoding`, with what a context extension of model/extend.py adds: log-n query scales,
 Self-Extend's grouped rotations and neighbour mask) and every layer rotates with them through
 `rope.rotate`, in the layout of the rope's config.
 Projections are fused (qkv, gate+up) for speed; export to Hugging Face splits them again.
@@ -39,9 +39,9 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else t.dtype
 
 
-class Positions(NamedTuple):
+class PositionEncoding(NamedTuple):
     """What attention needs about the positions of one forward's tokens, built once per forward by
-    `Llama.positions` and shared by every layer.
+    `Llama.position_encoding` and shared by every layer.
 
     cos, sin:     (L, R) or (B, L, R): the rotation at the tokens' true positions (queries and keys).
     query_scale:  logn: (L, 1) or (B, 1, L, 1), multiplies the rotated queries; else None.
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: RotaryEmbedding,
-        positions: Positions,
+        encoding: PositionEncoding,
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, L, D)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin, query_scale, grouped, near = positions
+        cos, sin, query_scale, grouped, near = encoding
         q_rot, k_rot = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         if query_scale is not None:
             q_rot = q_rot * query_scale
@@ -155,9 +155,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()  # p=0: skip the call
 
-    def forward(self, x, rope, positions, kv_cache, mask):
+    def forward(self, x, rope, encoding, kv_cache, mask):
         """x: (B, L, C) -> (B, L, C); the other arguments as in Attention.forward."""
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, positions, kv_cache, mask))
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, encoding, kv_cache, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -253,10 +253,10 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + L, device=idx.device)
             seq_len = seq_len or start + L
         dtype = autocast_dtype(x)  # the dtype q and k will have
-        positions = self.positions(
+        encoding = self.position_encoding(
             position_ids, dtype, seq_len, kv_cache, default=kv_cache is None and seq_len == L
         )
-        x = self.hidden_states(x, positions, kv_cache, self._attention_mask(L, kv_cache, idx.device))
+        x = self.hidden_states(x, encoding, kv_cache, self._attention_mask(L, kv_cache, idx.device))
         if kv_cache is not None:
             kv_cache.advance(L)
         if targets is not None:
@@ -279,15 +279,15 @@ class Llama(nn.Module):
             previous = self.embed(ids) * exists[..., None]
         return x + (self.previous_token_gates * previous).sum(2)
 
-    def positions(
+    def position_encoding(
         self,
         position_ids: torch.Tensor,
         dtype: torch.dtype,
         seq_len: int | None,
         kv_cache: KVCache | SlotWrite | None,
         default: bool = False,
-    ) -> Positions:
-        """Everything attention needs about the positions of one forward's tokens (`Positions`).
+    ) -> PositionEncoding:
+        """Everything attention needs about the positions of one forward's tokens (`PositionEncoding`).
 
         position_ids: (L,) or (B, L); seq_len: as in `rope.cos_sin` (None = the largest id + 1, which
         costs a host sync); default: the ids are 0..L-1 and seq_len is L, so cos/sin are a slice of the
@@ -305,7 +305,7 @@ class Llama(nn.Module):
             scale = logn_scale(position_ids, extend.original_max_len).to(dtype)[..., None]
             query_scale = scale if scale.ndim == 2 else scale[:, None]
         if not extend.self_extend:
-            return Positions(cos, sin, query_scale)
+            return PositionEncoding(cos, sin, query_scale)
         if kv_cache is not None and not kv_cache.grouped:
             raise ValueError(
                 "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after set_extend."
@@ -314,7 +314,7 @@ class Llama(nn.Module):
         seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
         merge = not extend.plain_within(seq_len)
         if kv_cache is None and not merge:
-            return Positions(cos, sin, query_scale)
+            return PositionEncoding(cos, sin, query_scale)
         query_ids = grouped_query_positions(position_ids, extend.window, extend.group)
         key_ids = grouped_key_positions(position_ids, extend.group)
         grouped = (
@@ -324,21 +324,21 @@ class Llama(nn.Module):
         query_positions = position_ids if position_ids.ndim == 2 else position_ids[None]  # (B|1, L)
         key_positions = query_positions if kv_cache is None else kv_cache.record_positions(position_ids)
         near = neighbour_mask(query_positions, key_positions, extend.window)[:, None] if merge else None
-        return Positions(cos, sin, query_scale, grouped, near)
+        return PositionEncoding(cos, sin, query_scale, grouped, near)
 
     def hidden_states(
         self,
         x: torch.Tensor,
-        positions: Positions,
+        encoding: PositionEncoding,
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """(B, L, C) embeddings -> (B, L, C) normalised hidden states: every block, then the final norm.
 
-        positions: from `self.positions`; kv_cache and mask as in Attention.forward. `forward` runs this
+        encoding: from `self.position_encoding`; kv_cache and mask as in Attention.forward. `forward` runs this
         between the embedding and the head; a caller with its own positions and mask
         (`fixed_shape_step` of inference/generation.py) runs it directly.
         """
         for block in self.blocks:
-            x = block(x, self.rope, positions, kv_cache, mask)
+            x = block(x, self.rope, encoding, kv_cache, mask)
         return self.norm(x)

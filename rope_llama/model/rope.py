@@ -73,7 +73,8 @@ class RopeConfig:
     base:              RoPE base (theta). Larger = longer wavelengths.
     scaling:           one of SCALINGS.
     factor:            context-extension factor s >= 1 (unused by `none`).
-    original_max_len:  training context length L0 the scaling is relative to.
+    original_max_len:  the length L0 the scaling is relative to (the training length, data.max_len, unless
+                       a context-extension fine-tune trained the model longer).
     layout:            "half" pairs channel i with i + d/2 (HF / NeoX, rotate_half);
                        "interleaved" pairs channels (2i, 2i+1) (Meta / GPT-J).
     rotary_dim:        rotate only the first `rotary_dim` channels of each head (None = all).
@@ -125,7 +126,7 @@ class RopeConfig:
             raise ValueError(f"rope max_position must be a positive length or None, got {self.max_position}.")
 
 
-def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = None) -> RopeConfig:
+def override_rope(base: RopeConfig, override: dict, max_len: int | None = None) -> RopeConfig:
     """The checkpoint's RoPE with an inference-time override applied (e.g. a configs/rope group).
 
     `layout` and `rotary_dim` always stay the checkpoint's: they describe how the weights were
@@ -137,7 +138,7 @@ def override_rope(base: RopeConfig, override: dict, train_max_len: int | None = 
         raise ValueError(f"Unknown rope keys {unknown}; allowed keys are {sorted(known)}.")
     values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
     if values.get("original_max_len") is None:
-        values["original_max_len"] = train_max_len or base.original_max_len
+        values["original_max_len"] = max_len or base.original_max_len
     try:
         return replace(base, **values)
     except TypeError as e:  # e.g. a string where a number belongs

@@ -28,7 +28,7 @@ class NonFiniteLossError(RuntimeError):
 
 class LitLlama(L.LightningModule):
     """Trains a Llama of `model_config` with `optim`; its checkpoints record the model config, the tokenizer
-    and `train_max_len` (core/checkpoint.py's format) so the model can be rebuilt from them alone."""
+    and `max_len` (core/checkpoint.py's format) so the model can be rebuilt from them alone."""
 
     def __init__(
         self,
@@ -38,7 +38,7 @@ class LitLlama(L.LightningModule):
         compile: bool = False,
         kernels: bool = True,
         tokenizer: Tokenizer | None = None,
-        train_max_len: int | None = None,
+        max_len: int | None = None,
         chars_per_token: float | None = None,
         log_every_n_steps: int = 10,
     ):
@@ -51,7 +51,7 @@ class LitLlama(L.LightningModule):
         self.max_steps = max_steps
         self.compile_model = compile
         self.tokenizer = tokenizer
-        self.train_max_len = train_max_len
+        self.max_len = max_len
         self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
         self.log_every_n_steps = log_every_n_steps
         self._tokens_since, self._time_since, self._peak_flops = 0, None, None
@@ -107,7 +107,7 @@ class LitLlama(L.LightningModule):
         tokens_per_s = self._tokens_since * self.trainer.world_size / elapsed
         if self._peak_flops is None:  # the peak of the dtype the matmuls run in (bf16 under bf16-mixed)
             self._peak_flops = measure_matmul_peak(self.device, matmul_dtype(self.trainer.precision))
-        flops = self.model.flops_per_token(self.train_max_len or 0) * tokens_per_s
+        flops = self.model.flops_per_token(self.max_len or 0) * tokens_per_s
         self.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
         self.log("perf/mfu", flops / (self._peak_flops * self.trainer.world_size))
         self._tokens_since, self._time_since = 0, time.perf_counter()
@@ -166,4 +166,4 @@ class LitLlama(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint.update(format_entries(self.config, self.tokenizer, self.train_max_len))
+        checkpoint.update(format_entries(self.config, self.tokenizer, self.max_len))
