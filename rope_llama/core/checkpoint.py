@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rope_llama.data.tokenizer import Tokenizer
 
 # Raise it when an entry changes meaning, and teach `read_entries` the older versions; a checkpoint
-# without the entry is version 1. Version 2 renamed `max_len` to `max_len`.
+# without the entry is version 1. Version 2 renamed `train_max_len` to `max_len`.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 STATE_PREFIX = "model."  # LitLlama's attribute holding the network: Lightning prefixes its weights with it
@@ -155,7 +155,7 @@ def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict, int | None]
         config = ModelConfig.from_dict(dict(ckpt["model_config"]))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} has an invalid model_config: {e}") from None
-    max_len = ckpt.get("max_len" if version >= 2 else "max_len") or config.rope.original_max_len
+    max_len = ckpt.get("max_len" if version >= 2 else "train_max_len") or config.rope.original_max_len
     return config, dict(ckpt.get("tokenizer") or {}), max_len
 
 
