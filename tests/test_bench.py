@@ -12,6 +12,10 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 
 def quick_bench(*args: str) -> subprocess.CompletedProcess:
     """`python tools/bench.py quick=true shapes=[tiny] <args>` from the repo root, output captured."""

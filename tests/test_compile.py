@@ -6,6 +6,10 @@ import pytest
 
 import rope_llama.training.compile as compile_mod
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 LONG = compile_mod.MIN_STEPS
 
 

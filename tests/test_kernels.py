@@ -23,6 +23,10 @@ from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding, apply_rotary
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

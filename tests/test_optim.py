@@ -22,6 +22,10 @@ from rope_llama.training.optim import (
     warmup_stable_decay,
 )
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 
 def tiny_model(seed: int = 0) -> Llama:
     torch.manual_seed(seed)

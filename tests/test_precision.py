@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 
 @pytest.mark.parametrize(
     "flags, accelerator, expected",

@@ -9,6 +9,10 @@ import pytest
 from rope_llama.bench import time_to_quality as ttq
 from tests.helpers import small_corpus, tiny_overrides
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 
 def test_first_reaching_takes_the_first_validation_at_or_below_the_threshold():
     rows = [

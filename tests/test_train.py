@@ -23,6 +23,10 @@ from rope_llama.training.throughput import matmul_dtype
 from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
 from train import build_callbacks, build_trainer, resume_command, run_summary, train
 
+pytestmark = (
+    pytest.mark.hardware
+)  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
