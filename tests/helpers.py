@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -19,6 +20,8 @@ from rope_llama.core.checkpoint import (
     safe_load,
     weights_checkpoint,
 )
+from rope_llama.data.markdown import play_to_text
+from rope_llama.data.sources import shakespeare_plays
 from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
@@ -183,3 +186,37 @@ def refusal(path: Path) -> str:
         f"Refusing to load {path}: it contains objects other than tensors and plain data "
         f"({os.system.__module__}.system), and loading it could run code."
     )
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    return [tok.bos_id, *tok.encode(text)]
+
+
+# The data tests' corpora and damage (test_data.py, test_datamodule.py).
+def plain_play(name: str) -> str:
+    return play_to_text(shakespeare_plays()[name])
+
+
+def text_corpus(tmp_path, n_files=6, chars=3000) -> str:
+    """n_files small UTF-8 files (slices of Macbeth); returns their glob."""
+    text = plain_play("macbeth")
+    folder = tmp_path / f"corpus{n_files}x{chars}"
+    folder.mkdir(exist_ok=True)
+    for i in range(n_files):
+        (folder / f"doc{i}.txt").write_text(text[i * chars : (i + 1) * chars], encoding="utf-8")
+    return str(folder / "*.txt")
+
+
+def small_source(tmp_path, n_files=6) -> dict:
+    return {"kind": "text_files", "paths": text_corpus(tmp_path, n_files)}
+
+
+def overwrite_bytes(path: str, offset: int, data: bytes) -> None:
+    """Write `data` over `path` at `offset` in place: the file keeps its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def garbage(damage: str, n: int) -> bytes:
+    return np.random.default_rng(0).bytes(n) if damage == "random_bytes" else bytes(n)

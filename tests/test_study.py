@@ -1,0 +1,373 @@
+"""scripts/study.py: the steps it runs and resumes, its options, and its tables."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rope_llama.inference.stats import wilson_interval
+from scripts import study
+from tests.helpers import ROOT, compose_train, small_corpus
+
+
+def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(command, cwd, **_):  # records train.py's command line, then "fails" to stop the study
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    base = tmp_path / "runs" / "base_s0"
+    (base / "checkpoints").mkdir(parents=True)
+    (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
+    with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
+    assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
+    assert "seed=1337" in commands[-1] and "experiment=[recall_base]" in commands[-1]  # seed 0, recipe
+    (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
+    with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
+
+
+def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
+    """With recipe=recall_base the PI/YaRN fine-tunes start from a base with previous-token mixing, so
+    their composed config must keep the recipe's model (and data) settings and add extend_context's."""
+    commands = []
+
+    def fake_run(command, cwd, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1)  # stop the study after this step
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    base = tmp_path / "runs" / "base_s0"
+    base.mkdir(parents=True)
+    (base / study.TRAINED).touch()
+    for corpus in ("own", "kjv"):  # base_s0's evaluations and retrieval are done: the PI fine-tune runs next
+        (tmp_path / "eval" / corpus / "base_s0").mkdir(parents=True)
+        (tmp_path / "eval" / corpus / "base_s0" / "windows.csv").touch()
+    (tmp_path / "retrieval" / "base_s0").mkdir(parents=True)
+    (tmp_path / "retrieval" / "base_s0" / "trials.csv").touch()
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    with pytest.raises(RuntimeError, match="step 'train pi' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
+    overrides = [c for c in commands[-1][2:] if not c.startswith(("hydra.", "init_from="))]
+    assert overrides == ["experiment=[recall_base,extend_context]"]
+    cfg = compose_train(overrides, tmp_path / "pi")
+    assert cfg.model.mix_previous_tokens == 3 and cfg.data.recall.fraction > 0  # the recipe's
+    assert cfg.data.max_len == 1024 and cfg.rope.factor == 4.0  # extend_context's
+    assert cfg.optim.name == "muon" and cfg.optim.muon_lr == 2e-3  # the recipe's optimizer at fine-tune rates
+
+
+def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monkeypatch):
+    """seeds=[7,3]: base_s7 and base_s3 train with seeds 1344 and 1340 (recall seeds 7 and 3), and the
+    PI fine-tune starts from the first seed's base, not from a base_s0 that does not exist."""
+    commands = []
+
+    def fake_run(command, cwd, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1 if command[1] == "train.py" else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    with pytest.raises(RuntimeError, match="step 'train base_s7' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+    assert commands[-1][-3:] == ["seed=1344", "data.seed=1344", "++data.recall.seed=7"]
+    for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
+        (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / f"base_s{seed}" / study.TRAINED).touch()
+    commands.clear()
+    with pytest.raises(RuntimeError, match="step 'train pi' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+    evaluations = ["scripts/eval_extrapolation.py", "scripts/passkey.py"] * 2  # base_s7's, then base_s3's
+    assert [c[1] for c in commands] == [*evaluations, "train.py"]
+    assert f"init_from={tmp_path / 'runs' / 'base_s7' / 'last.ckpt'}" in commands[-1]
+
+
+def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(tmp_path, monkeypatch):
+    """jobs=3: never more than three subprocesses at once (and three do overlap), each with the cores / 3
+    threads and its output in out/logs/; every step runs once; the PI and YaRN fine-tunes, whose lanes
+    have workers while base_s0 still trains, start only after that training has ended."""
+    lock, running, events, envs = threading.Lock(), [0], [], []
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+        Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)  # as train.py does
+        with lock:
+            running[0] += 1
+            events.append(("start", command[1], name, running[0]))
+            envs.append((env["OMP_NUM_THREADS"], Path(stdout.name).parent))
+        time.sleep(0.5 if name.endswith("runs/base_s0") else 0.05)  # the first base trains longest
+        with lock:
+            running[0] -= 1
+            events.append(("end", command[1], name, running[0]))
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(study, "summarise", lambda *args: None)  # the fakes write no tables
+    study.run(study.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
+    starts = [e for e in events if e[0] == "start"]
+    assert max(e[3] for e in starts) == 3  # three at once, never four
+    assert (
+        len(starts) == len({(e[1], e[2]) for e in starts}) == 5 + 5 + 4
+    )  # trainings, evaluations, retrievals
+    assert set(envs) == {(str(max(1, (os.cpu_count() or 1) // 3)), tmp_path / "logs")}
+    order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "train.py"]
+    base_end = order.index(("end", "base_s0"))
+    assert base_end < order.index(("start", "pi")) and base_end < order.index(("start", "yarn"))
+
+
+def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_path, monkeypatch):
+    """seeds=[7,3] finetune_seeds=2: PI and YaRN fine-tunes of both bases, the first seed's named pi / yarn
+    and seed 3's pi_s3 / yarn_s3, each from its own base and started only after that base's training
+    ended (base_s3 trains longest here, so a fine-tune that waited for base_s7 alone would start early)."""
+    lock, events, commands = threading.Lock(), [], {}
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+        Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)
+        with lock:
+            events.append(("start", command[1], name.rsplit("/", 1)[-1]))
+            commands[command[1], name.rsplit("/", 1)[-1]] = command
+        time.sleep(0.5 if name.endswith("runs/base_s3") else 0.05)
+        with lock:
+            events.append(("end", command[1], name.rsplit("/", 1)[-1]))
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    summarised = []
+    monkeypatch.setattr(study, "summarise", lambda cfg, out, models, *rest: summarised.append(models))
+    cfg = study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
+    study.run(cfg, [])
+    order = [(e[0], e[2]) for e in events if e[1] == "train.py"]
+    for name, base in (("pi", "base_s7"), ("yarn", "base_s7"), ("pi_s3", "base_s3"), ("yarn_s3", "base_s3")):
+        command = commands["train.py", name]
+        assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
+        assert ("rope=yarn" in command) == name.startswith("yarn")
+        assert order.index(("end", base)) < order.index(("start", name))
+    assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
+    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", "large_base"]]
+
+
+def test_study_names_map_to_model_and_seed():
+    assert study.model_and_seed("base_s3", 7) == ("base", 3)
+    assert study.model_and_seed("yarn_s3", 7) == ("yarn", 3)
+    assert study.model_and_seed("pi", 7) == ("pi", 7)  # the first seed's fine-tune
+    assert study.model_and_seed("large_base", 7) == ("large_base", 0)
+
+
+@pytest.mark.parametrize("finetune_seeds", [-1, 3, 1.5, True])
+def test_study_rejects_bad_finetune_seeds_in_one_sentence(finetune_seeds):
+    with pytest.raises(
+        ValueError, match=r"^finetune_seeds must be an integer from 0 to the number of seeds \(2\)"
+    ):
+        study.check_config(study.StudyConfig(seeds=2, finetune_seeds=finetune_seeds))
+
+
+def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_log(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(command, cwd, stdout, stderr, env):
+        commands.append(command)
+        fails = "base_s0" in command[2]
+        stdout.write("Epoch 0: 10%\rEpoch 0: 20%\nerror: out of memory\n" if fails else "")
+        return subprocess.CompletedProcess(command, returncode=1 if fails else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    log = tmp_path / "logs" / "train_base_s0.log"
+    message = rf"^step 'train base_s0' failed \('out of memory'; its output: {log}\); fix it and re-run"
+    with pytest.raises(RuntimeError, match=message):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
+    assert [c[1] for c in commands] in (["train.py"], ["train.py"] * 2)  # base_s1's may have started already
+    assert all("base_s" in c[2] for c in commands)  # no fine-tune, large base or evaluation began
+
+
+@pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
+def test_study_rejects_bad_seeds_in_one_sentence(seeds):
+    with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):
+        study.check_config(study.StudyConfig(seeds=seeds))
+
+
+@pytest.mark.parametrize("jobs", [0, -2, 1.5])
+def test_study_rejects_bad_jobs_in_one_sentence(jobs):
+    with pytest.raises(ValueError, match=r"^jobs must be an integer >= 1 \(steps run at once\), got"):
+        study.check_config(study.StudyConfig(jobs=jobs))
+
+
+@pytest.mark.slow
+def test_study_smoke_runs_every_step_and_resumes(tmp_path):
+    """~6 minutes on 2 shared cores: seven tiny trainings (two seeds, both fine-tuned), twelve evaluations
+    on two corpora and six retrieval runs, each a subprocess."""
+    corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
+    data = [
+        "data=text_files",
+        f"data.source.paths=[{corpus}]",
+        "data.vocab_size=320",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "study.py"),
+        f"out={tmp_path / 'study'}",
+        "smoke=true",
+        "seeds=2",
+        "finetune_seeds=2",
+        "threads=1",
+        "--",
+        *data,
+    ]
+    subprocess.run(command, check=True, cwd=ROOT)
+    study_dir = tmp_path / "study"
+    summary = (study_dir / "summary.md").read_text()
+    assert all(f"| {m} | " in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
+    assert "### own: perplexity" in summary and "### kjv: perplexity" in summary
+    assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
+    assert "| yarn/ckpt | 2 | " in summary  # and behind each fine-tune (yarn, yarn_s1)
+    assert (study_dir / "runs" / "yarn_s1" / study.TRAINED).is_file()
+    assert "Significant orderings (95%)" in summary and "### vartrack: greedy accuracy" in summary
+    for name in (
+        "summary.png",
+        "retrieval_passkey.png",
+        "paired_ppl.csv",
+        "retrieval.csv",
+        "paired_retrieval.csv",
+    ):
+        assert (study_dir / name).is_file()
+    with open(study_dir / "paired_ppl.csv") as f:
+        paired = list(csv.DictReader(f))
+    n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
+    assert len(paired) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
+    again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
+    assert again.stdout.count("skipped") == 27  # resumable: every step's output exists
+
+
+def test_study_tables_average_seeds_and_mark_only_significant_orderings():
+    """Constructed per-window losses: `good` is 0.1 nats better than `none` on every window of every
+    seed, `same` equals `none` up to symmetric noise. The seed table shows each seed's perplexity
+    mean and range; the paired table marks good < none and good < same, and nothing else."""
+    rng = np.random.default_rng(0)
+    windows = []
+    for seed in range(3):
+        for document in range(2):
+            for window in range(4):
+                base = 4.0 + 0.2 * seed + rng.normal(0, 0.3)  # seeds and windows differ a lot
+                noise = 0.01 if (seed + document + window) % 2 else -0.01
+                for method, loss in (("none", base), ("good", base - 0.1), ("same", base + noise)):
+                    row = {"model": "base", "method": method, "length": 512, "seed": seed}
+                    windows.append({**row, "document": document, "window": window, "loss": loss})
+    table = study.seed_table(windows, "own")
+    per_seed = [
+        np.exp(np.mean([w["loss"] for w in windows if w["method"] == "none" and w["seed"] == s]))
+        for s in range(3)
+    ]
+    assert (
+        f"| base/none | 3 | {np.mean(per_seed):,.2f} [{min(per_seed):,.2f}, {max(per_seed):,.2f}] |" in table
+    )
+    assert "| base/good | 3 | **" in table  # the best mean is bold
+    rows, text = study.paired_ppl(windows, "own", "base", max_len=256)
+    significant = {(r["a"], r["b"]): r["better"] for r in rows if r["significant"]}
+    assert significant == {("none", "good"): "good", ("good", "same"): "good"}
+    good_vs_none = next(r for r in rows if {r["a"], r["b"]} == {"none", "good"})
+    assert good_vs_none["diff"] == pytest.approx(0.1) and good_vs_none["clusters"] == 6  # documents x seeds
+    assert "Significant orderings (95%): good < none, good < same" in text
+
+
+def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
+    """Greedy: yarn always right, none in trial 0 only. Ranking: both rank the key first except in one
+    of none's prompts, so the ranking has no significant ordering."""
+    trials = []
+    for seed in range(2):
+        for depth in (0.0, 0.5, 1.0):
+            for trial in range(5):
+                for method, correct in (("yarn", 1), ("none", int(trial == 0))):
+                    ranked = int((method, seed, depth, trial) != ("none", 1, 0.0, 4))
+                    trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
+                                   "depth": depth, "trial": trial, "greedy_correct": correct, "rank_correct": ranked})  # fmt: skip
+    accuracy, paired, text = study.retrieval_tables(trials)
+    none = next(r for r in accuracy if r["method"] == "base/none")
+    assert none["trials"] == 30 and none["greedy_acc"] == pytest.approx(6 / 30) and none["seeds"] == 2
+    assert (none["greedy_low"], none["greedy_high"]) == pytest.approx(wilson_interval(6, 30))
+    assert none["ranking_acc"] == pytest.approx(29 / 30)
+    assert (none["ranking_seed_min"], none["ranking_seed_max"]) == pytest.approx((14 / 15, 1.0))
+    assert [(r["metric"], r["better"], r["significant"]) for r in paired] == [
+        ("greedy", "yarn", True),
+        ("ranking", "", False),  # no better method named without significance
+    ]
+    assert "(greedy), base models, T = 512: significant orderings (95%): yarn < none" in text
+    assert "(ranking), base models, T = 512: significant orderings (95%): none" in text
+    assert "| base/yarn | 100% [" in text and "### passkey: ranking accuracy" in text
+    assert "margin" not in text and "margin_mean" not in none  # trials.csv files without the margin column
+    assert "greedy misses" not in text and "miss_overrun" not in none  # nor answers: no miss kinds guessed
+    assert "| base/none | 20% / 20% |" in text  # the per-seed table: trial 0 of 5 per depth on each seed
+
+
+def test_study_retrieval_tables_show_a_base_that_never_copies_seed_by_seed():
+    """Seed 2 writes every key, seed 10 none: pooled that is 50%; the per-seed table, in seed order, shows both."""
+    trials = [{"task": "passkey", "model": "base", "seed": seed, "method": "none", "length": 256, "depth": 0.5,
+               "trial": trial, "greedy_correct": int(seed == 2), "rank_correct": 1}
+              for seed in (10, 2) for trial in range(4)]  # fmt: skip
+    trials.append(trials[0] | {"model": "yarn", "method": "ckpt", "seed": 0})  # a fine-tune: not a base seed
+    _, _, text = study.retrieval_tables(trials)
+    assert "| base/none | 50% [" in text
+    assert "### passkey: greedy accuracy per seed (base models: 2 / 10)" in text
+    assert "| base/none | 100% / 0% |" in text
+
+
+def test_study_retrieval_tables_class_the_greedy_misses():
+    """Four prompts per method: yarn writes two keys and overruns two; none answers prose first three times and
+    writes another number once. Answers come as trials.csv gives them, all-digit ones parsed as numbers."""
+    answers = {"yarn": [" 10388.", 10388, 103888, " 103888."], "none": [" the road", "\n", " and the", 12]}
+    trials = [{"task": "passkey", "model": "base", "seed": 0, "method": method, "length": 512, "depth": 0.5,
+               "trial": i, "greedy_correct": int(str(answer).strip(" .") == "10388"), "rank_correct": 1,
+               "key": 10388, "answer": answer}
+              for method, given in answers.items() for i, answer in enumerate(given)]  # fmt: skip
+    accuracy, _, text = study.retrieval_tables(trials)
+    yarn = next(r for r in accuracy if r["method"] == "base/yarn")
+    assert (yarn["greedy_acc"], yarn["miss_overrun"], yarn["miss_prose_first"]) == (0.5, 0.5, 0.0)
+    assert (
+        "### passkey: greedy misses by kind (prose first / overrun / wrong digits), pooled over seeds" in text
+    )
+    assert "| base/none | 75% / 0% / 25% |" in text
+
+
+def test_study_retrieval_tables_compare_first_token_margins():
+    """yarn's margin is none's plus 0.5 on every prompt (+ noise shared by both), on seed-specific
+    levels: the mean, the seeds' range and the significant ordering follow from that construction."""
+    rng = np.random.default_rng(0)
+    trials = []
+    for seed, level in ((0, -1.0), (1, 1.0)):
+        for depth in (0.0, 0.5, 1.0):
+            for trial in range(5):
+                shared = float(rng.normal())
+                for method, shift in (("none", 0.0), ("yarn", 0.5)):
+                    trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
+                                   "depth": depth, "trial": trial, "greedy_correct": 1, "rank_correct": 1,
+                                   "first_margin": level + shared + shift})  # fmt: skip
+    accuracy, paired, text = study.retrieval_tables(trials)
+    none, yarn = (next(r for r in accuracy if r["method"] == f"base/{m}") for m in ("none", "yarn"))
+    margins = {
+        s: [t["first_margin"] for t in trials if t["method"] == "none" and t["seed"] == s] for s in (0, 1)
+    }
+    assert none["margin_mean"] == pytest.approx(np.mean(margins[0] + margins[1]))
+    assert (none["margin_seed_min"], none["margin_seed_max"]) == pytest.approx(
+        (min(map(np.mean, margins.values())), max(map(np.mean, margins.values())))
+    )
+    assert yarn["margin_mean"] == pytest.approx(none["margin_mean"] + 0.5)
+    margin_row = next(r for r in paired if r["metric"] == "margin")
+    assert margin_row["better"] == "yarn" and margin_row["significant"]
+    assert margin_row["diff"] == pytest.approx(-0.5 if margin_row["a"] == "none" else 0.5)
+    tied = [r["significant"] for r in paired if r["metric"] != "margin"]
+    assert tied == [False, False]  # greedy and ranking: every prompt right with both methods
+    assert "### passkey: first-token margin (nats)" in text
+    assert f"| base/yarn | {yarn['margin_mean']:+.2f} [" in text
+    assert "(margin), base models, T = 512: significant orderings (95%): yarn < none" in text
