@@ -37,6 +37,8 @@ from rope_llama.training.compile import resolve_compile
 from rope_llama.training.loggers import finish_wandb
 from rope_llama.training.module import LitLlama, NonFiniteLossError
 from rope_llama.training.optim import resolve_muon_dtype
+from rope_llama.training.run_dir import RunLock, check_run_name, is_first_process, write_hydra_config
+from rope_llama.training.trainer_checks import check_trainer
 
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls on multiples of 64 are faster everywhere
 
@@ -46,13 +48,22 @@ def checkpoint_names(ckpt_dir: Path) -> list[str]:
     return sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
 
 
-def refuse_to_overwrite(run_dir: Path) -> None:
-    """A new run must not replace another run's checkpoints (e.g. a resume that forgot ckpt_path=last)."""
+def refuse_to_overwrite(run_dir: Path, ckpt_path: str | None) -> None:
+    """A run must not replace another run's checkpoints: a new run (e.g. a resume that forgot
+    ckpt_path=last), or a resume of another run's checkpoint, into a directory that holds some."""
     existing = checkpoint_names(run_dir / "checkpoints")
-    if existing:
+    if not existing:
+        return
+    if ckpt_path is None:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints ({', '.join(existing)}); resume that run with ckpt_path=last, "
             "choose another run_name, or pass overwrite=true to train a new run over it."
+        )
+    if Path(ckpt_path).resolve().parent != (run_dir / "checkpoints").resolve():
+        raise CheckpointError(
+            f"ckpt_path {ckpt_path} is another run's checkpoint, and resuming it into {run_dir} would replace "
+            f"that directory's own checkpoints ({', '.join(existing)}); choose a new run_name, or pass "
+            "overwrite=true."
         )
 
 
@@ -66,6 +77,10 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
                 f"ckpt_path=last but {last} does not exist; pass run_name=<the run to resume> or a .ckpt path."
             )
         return str(last)
+    if Path(ckpt_path).is_dir():
+        raise CheckpointError(
+            f"ckpt_path {ckpt_path} is a directory; pass a .ckpt file (e.g. {Path(ckpt_path) / 'checkpoints' / 'last.ckpt'}) or `last`."
+        )
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path {ckpt_path} does not exist.")
     return ckpt_path
@@ -84,12 +99,11 @@ def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
     return model_state_from_checkpoint(ckpt), ckpt.get("model_config")
 
 
-def check_max_steps(max_steps) -> None:
-    """The LR schedule decays over trainer.max_steps, so training needs a finite, positive length."""
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(
-            f"trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got {max_steps}."
-        )
+def check_switches(cfg: DictConfig) -> None:
+    """The run-level booleans, which OmegaConf leaves untyped in train.yaml."""
+    for key in ("kernels", "overwrite"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
 
 
 def data_parallel_processes(trainer_cfg: DictConfig) -> int | None:
@@ -120,7 +134,8 @@ def setup_run(cfg: DictConfig):
     into the run directory."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # stderr is for errors only
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    check_max_steps(cfg.trainer.max_steps)
+    check_trainer(cfg.trainer)
+    check_switches(cfg)
     trainer_cfg = cfg.trainer  # compile=auto follows the precision, device and length of the run
     compile_blocks, why = resolve_compile(
         cfg.compile, trainer_cfg.precision, trainer_cfg.accelerator, trainer_cfg.max_steps
@@ -128,8 +143,13 @@ def setup_run(cfg: DictConfig):
     optim = build(cfg.optim)
     model_config = build(cfg.model)  # shape and RoPE errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    if ckpt_path is None and not cfg.overwrite:
-        refuse_to_overwrite(run_dir)
+    if ckpt_path and cfg.init_from:
+        raise ValueError(
+            f"init_from={cfg.init_from} and ckpt_path={cfg.ckpt_path} exclude each other: ckpt_path resumes a run "
+            "(weights, optimizer, step), init_from starts a new one from weights; pass one."
+        )
+    if not cfg.overwrite:
+        refuse_to_overwrite(run_dir, ckpt_path)
     resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
     init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
@@ -170,7 +190,10 @@ def setup_run(cfg: DictConfig):
             differing_settings(init_ckpt.get("model_config"), model_config),
         )
         print(f"Initialised weights from {cfg.init_from}")
-    shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
+    if is_first_process():  # every check passed: the run's own files go in now
+        overrides = HydraConfig.get().overrides.task
+        write_hydra_config(run_dir, cfg, overrides)
+        shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
 
     trainer = build_trainer(
         cfg.trainer,
@@ -237,19 +260,34 @@ def resume_command(task_overrides: list[str], hydra_overrides: list[str], run_di
 
 
 def remove_empty_run_dir(run_dir: Path) -> None:
-    """A run that failed before training leaves nothing behind (Hydra already wrote .hydra/ and a log);
-    a directory that existed before this process is never removed, whatever it holds."""
-    if not NewRunDirectories.made_by_this_process(run_dir):
+    """A run that failed before training leaves nothing behind: the run directory and the empty parents
+    Hydra created for it; a directory that existed before this process is never removed, whatever it holds."""
+    root = NewRunDirectories.created_root(run_dir)
+    if root is None or not run_dir.is_dir() or any(run_dir.iterdir()):
         return
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    path = run_dir.resolve()
+    while True:
+        path.rmdir()
+        if path == root or any(path.parent.iterdir()):
+            return
+        path = path.parent
+
+
+def run_dir_is_named(hydra_overrides: list[str]) -> bool:
+    """Whether runs/<run_name> names the run directory (no hydra.run.dir / hydra.sweep.dir given)."""
+    return not any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hydra_overrides)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="train")
 @one_sentence_errors(errors=(*USER_ERRORS, NonFiniteLossError))
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    lock = None
     try:
+        if run_dir_is_named(HydraConfig.get().overrides.hydra):
+            check_run_name(cfg.run_name)
+        if is_first_process():  # the other ranks run inside the first one's lock
+            lock = RunLock(run_dir).acquire()
         metrics = train(cfg)
     except SIGTERMException:  # the scheduler asked us to stop: SaveLastCheckpoint already wrote last.ckpt
         overrides = HydraConfig.get().overrides
@@ -258,6 +296,9 @@ def main(cfg: DictConfig) -> float | None:
     except BaseException:  # refused or failed before training: leave no run directory behind
         remove_empty_run_dir(run_dir)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     return metrics.get("val/loss")  # Hydra sweepers can minimise this
 
 

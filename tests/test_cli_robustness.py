@@ -70,7 +70,7 @@ def rows(kind: str, *members: Row) -> list[Row]:
 ROWS = [
     *rows("bad numbers",
         Row("train-max-steps-negative", TRAIN, "{TINY} trainer.max_steps=-1", 2,
-            "trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got -1.",
+            "trainer.max_steps must be an integer >= 1, got -1.",
             post="no run dir"),
         Row("train-compile-not-a-choice", TRAIN, "{TINY} compile=yes", 2,
             "compile must be true, false or auto, got 'yes'.", post="no run dir"),

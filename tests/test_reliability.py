@@ -286,8 +286,115 @@ def test_refused_run_keeps_a_run_directory_that_existed_before(resume, tmp_path,
     )
     assert code == 2
     assert (run_dir / ".hydra" / "notes.yaml").read_text() == "mine\n"
-    assert (run_dir / "train.log").read_text().startswith("an earlier log\n")
+    assert (run_dir / "train.log").read_text() == "an earlier log\n"
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "train.log"]  # nothing written either
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["notes.yaml"]
+
+
+# ----------------------------------------------------------------------------- a run directory belongs to one run
+
+
+def trained_run(tmp_path, corpus, monkeypatch, capsys, name: str) -> Path:
+    run_dir = tmp_path / name
+    code, err = cli(tiny_overrides(tmp_path, corpus) + [f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+    assert code == 0, err
+    return run_dir
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_run_rewrites_nothing_of_an_existing_run(tmp_path, corpus, monkeypatch, capsys):
+    """Hydra's .hydra/ config is written by train.py after the checks: a refusal leaves the run's intact."""
+    run_dir = trained_run(tmp_path, corpus, monkeypatch, capsys, "a")
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (
+        run_dir / ".hydra" / "overrides.yaml"
+    ).is_file()
+    before = snapshot(run_dir)
+    for bad in (["optim.lr=-1"], ["seed=5"], ["trainer.accumulate_grad_batches=0"]):
+        code, _ = cli(
+            tiny_overrides(tmp_path, corpus) + bad + [f"hydra.run.dir={run_dir}"], monkeypatch, capsys
+        )
+        assert code == 2
+        assert snapshot(run_dir) == before
+
+
+def test_another_runs_checkpoint_is_not_resumed_into_a_run_with_checkpoints(
+    tmp_path, corpus, monkeypatch, capsys
+):
+    a = trained_run(tmp_path, corpus, monkeypatch, capsys, "a")
+    b = trained_run(tmp_path, corpus, monkeypatch, capsys, "b")
+    before = snapshot(a)
+    args = tiny_overrides(tmp_path, corpus) + [
+        f"ckpt_path={b / 'checkpoints' / 'last.ckpt'}",
+        f"hydra.run.dir={a}",
+    ]
+    code, err = cli(args, monkeypatch, capsys)
+    assert (
+        code == 2 and "is another run's checkpoint, and resuming it into" in err and "overwrite=true" in err
+    )
+    assert snapshot(a) == before
+    code, err = cli(args + ["trainer.max_steps=30", "overwrite=true"], monkeypatch, capsys)
+    assert code == 0, err  # asked for
+
+
+def test_a_second_process_is_refused_while_a_run_holds_its_directory(tmp_path, corpus, monkeypatch, capsys):
+    from rope_llama.training.run_dir import RunLock
+
+    run_dir = tmp_path / "busy"
+    lock = RunLock(run_dir).acquire()  # as the first process holds it, for its lifetime
+    try:
+        code, err = cli(tiny_overrides(tmp_path, corpus) + [f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+        assert code == 2 and err.strip() == (
+            f"error: {run_dir} is in use by another training process (it holds {lock.path}); wait for it to "
+            "finish or choose another run_name."
+        )
+        assert not run_dir.exists()
+    finally:
+        lock.release()
+    assert not lock.path.exists()
+    trained_run(tmp_path, corpus, monkeypatch, capsys, "busy")  # free again
+
+
+@pytest.mark.parametrize("name", ["", "/abs/path", "a/b", "..", "-x"])
+def test_run_name_must_be_a_plain_name(name, tmp_path, corpus, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # runs/ is relative to the working directory
+    code, err = cli(tiny_overrides(tmp_path, corpus) + [f"run_name={name}"], monkeypatch, capsys)
+    assert code == 2 and f"error: run_name={name!r} is not a plain name;" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_full_disk_is_one_sentence_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    from rope_llama.core import checkpoint
+
+    path = tmp_path / "last.ckpt"
+    checkpoint.atomic_torch_save({"step": 1}, path)
+
+    def full(obj, f):  # what torch's zip writer raises when the disk fills mid-write
+        f.write(b"partial")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file"
+        )
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: shutil_usage(free=1024))
+    with pytest.raises(checkpoint.DiskFullError) as info:
+        checkpoint.atomic_torch_save({"step": 2}, path)
+    assert str(info.value) == (
+        f"No space left on the disk of {tmp_path} (1.0 KiB free) while writing last.ckpt; {path} keeps its "
+        "previous content. Free some space and run again."
+    )
+    assert checkpoint.safe_load(path) == {"step": 1} and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: shutil_usage(free=2**40))
+    with pytest.raises(RuntimeError, match="PytorchStreamWriter"):  # with space left it is not a full disk
+        checkpoint.atomic_torch_save({"step": 2}, path)
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(2**41, 2**41 - free, free)
 
 
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
@@ -351,9 +458,11 @@ def test_checkpoint_of_format_1_loads_and_a_newer_one_is_refused(tmp_path):
 def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     """train.main() exactly as the command line runs it (Hydra parsing included), in this process."""
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    with pytest.raises(SystemExit) as info:
+    try:
         train_py.main()
-    return info.value.code, capsys.readouterr().err
+    except SystemExit as exit_:
+        return exit_.code, capsys.readouterr().err
+    return 0, capsys.readouterr().err
 
 
 BAD_INPUT = {
@@ -373,7 +482,7 @@ BAD_INPUT = {
     "missing resume checkpoint": (["ckpt_path=last"], "ckpt_path=last but"),
     "unbounded max_steps": (  # max_epochs bounds Lightning's loop but gives the LR schedule no length
         ["trainer.max_steps=-1", "+trainer.max_epochs=1"],
-        "trainer.max_steps must be a positive integer (the learning-rate schedule spans it), got -1.",
+        "trainer.max_steps must be an integer >= 1, got -1.",
     ),
 }
 

@@ -10,10 +10,13 @@ dict with these entries added (training/module.py); scripts/import_hf.py writes 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rope_llama.core.memory import human_bytes
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 
@@ -105,20 +109,55 @@ def safe_load(path: str | os.PathLike, map_location="cpu", mmap: bool = False) -
     return obj
 
 
-def atomic_torch_save(obj, path: str | os.PathLike) -> None:
-    """Write to a temp file in the same directory, fsync, then rename: a crash keeps the old file."""
+class DiskFullError(OSError):
+    """A write that ran out of space; the file it was replacing keeps its previous content."""
+
+
+# Below this many free bytes a failed write is taken for a full disk (torch's zip writer reports ENOSPC as
+# "unexpected pos", not as an OSError).
+NEARLY_FULL_BYTES = 16 * 2**20
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a binary file that replaces `path` only if the block completes: a temp file in the same
+    directory, fsynced, then renamed, so a crash or a full disk keeps the old file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's private 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if isinstance(e, OSError | RuntimeError) and (
+            getattr(e, "errno", None) == errno.ENOSPC or free < NEARLY_FULL_BYTES
+        ):
+            kept = "keeps its previous content" if path.exists() else "was not written"
+            raise DiskFullError(
+                f"No space left on the disk of {path.parent} ({human_bytes(free)} free) while writing "
+                f"{path.name}; {path} {kept}. Free some space and run again."
+            ) from e
         raise
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+    """torch.save through `atomic_file`."""
+    with atomic_file(path) as f:
+        torch.save(obj, f)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """A UTF-8 text file written through `atomic_file`."""
+    with atomic_file(path) as f:
+        f.write(text.encode("utf-8"))
 
 
 def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, max_len: int | None) -> dict:

@@ -168,9 +168,9 @@ def step_checkpoint(dirpath: str | Path, every_n_train_steps: int, keep_all: boo
 
 
 class NewRunDirectories(HydraCallback):
-    """Hydra creates the run directory and writes .hydra/ and the log into it before train.py's main runs;
-    this notes first whether the directory is new, so a run refused before training removes only a
-    directory it created (configs/train.yaml registers it under hydra.callbacks)."""
+    """Hydra creates the run directory before train.py's main runs; this notes first which directories are
+    new, so a run refused before training removes only what it created (configs/train.yaml registers it
+    under hydra.callbacks)."""
 
     created: ClassVar[set[Path]] = set()
 
@@ -182,11 +182,14 @@ class NewRunDirectories(HydraCallback):
 
     def _note(self, directory: str) -> None:
         path = Path(directory).resolve()
-        if not path.exists():
-            self.created.add(path)
+        if path.exists():
+            return
+        while not path.parent.exists():  # the highest directory Hydra is about to create
+            path = path.parent
+        self.created.add(path)
 
     @classmethod
-    def made_by_this_process(cls, run_dir: Path) -> bool:
-        """Whether `run_dir`, or the sweep directory holding it, did not exist before this process started it."""
+    def created_root(cls, run_dir: Path) -> Path | None:
+        """The highest directory this process created on the way to `run_dir` (None: it created none)."""
         run_dir = Path(run_dir).resolve()
-        return any(made == run_dir or made in run_dir.parents for made in cls.created)
+        return next((made for made in cls.created if made == run_dir or made in run_dir.parents), None)
