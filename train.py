@@ -141,6 +141,7 @@ def setup_run(cfg: DictConfig):
         cfg.compile, trainer_cfg.precision, trainer_cfg.accelerator, trainer_cfg.max_steps
     )
     optim = build(cfg.optim)
+    sample = build(cfg.sample, tokenizer=None)  # its options fail now, not at the first validation
     model_config = build(cfg.model)  # shape and RoPE errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path and cfg.init_from:
@@ -159,7 +160,7 @@ def setup_run(cfg: DictConfig):
         datamodule.check_world_size(processes)
     datamodule.prepare_data()
     datamodule.setup("fit")  # the tokenizer fixes the vocabulary size before the model is built
-    tokenizer = datamodule.tokenizer
+    tokenizer = sample.tokenizer = datamodule.tokenizer
 
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # the tokenizer's, padded
     model_config = replace(model_config, vocab_size=vocab_size)
@@ -198,7 +199,7 @@ def setup_run(cfg: DictConfig):
     trainer = build_trainer(
         cfg.trainer,
         logger=build(cfg.logger),
-        callbacks=[*build_callbacks(cfg.callbacks), build(cfg.sample, tokenizer=tokenizer)],
+        callbacks=[*build_callbacks(cfg.callbacks), sample],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )

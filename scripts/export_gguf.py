@@ -20,6 +20,7 @@ from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.options import require
+from rope_llama.interchange.destination import check_export_destination
 from rope_llama.interchange.gguf import check_dtype, gguf_writer, save
 from rope_llama.model.rope import ntk_base
 
@@ -43,11 +44,12 @@ def export(
     check_out(out, overwrite)
     check_dtype(dtype)
     ckpt = resolve_checkpoint(ckpt)
+    check_export_destination(out, ckpt, out_is_file=True)
     loaded = load_checkpoint(ckpt)
     cfg = loaded.config
     tokenizer_file = loaded.tokenizer_file()
-    if out in (ckpt.resolve(), tokenizer_file.resolve()):  # overwrite=true would destroy the source
-        raise ValueError(f"out={out} is the file being exported from; choose another path.")
+    if out == tokenizer_file.resolve():  # overwrite=true would destroy the source
+        raise ValueError(f"out={out} is the tokenizer being exported; choose another path.")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     writer = gguf_writer(cfg, loaded.model.state_dict(), tokenizer, dtype, name=out.stem)
     out.parent.mkdir(parents=True, exist_ok=True)

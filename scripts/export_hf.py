@@ -26,6 +26,7 @@ from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import BOS, EOS, Tokenizer
 from rope_llama.inference.options import require
+from rope_llama.interchange.destination import check_export_destination
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
 from rope_llama.model.rope import ntk_base
 
@@ -36,20 +37,6 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"out={out} is a file; give a directory path.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"out={out} is not empty; pass overwrite=true to replace it.")
-
-
-def check_out_apart(out: Path, ckpt: Path) -> None:
-    """Refuse an `out` where the export could replace the checkpoint or the files beside it: the
-    checkpoint's run directory (runs/<run> for runs/<run>/checkpoints/*.ckpt, else the checkpoint's
-    folder), a folder above it, or a folder inside a run directory; symlinks are resolved."""
-    ckpt = ckpt.resolve()
-    in_run = ckpt.parent.name == "checkpoints"
-    run_dir = ckpt.parent.parent if in_run else ckpt.parent
-    if out == run_dir or out in run_dir.parents or (in_run and run_dir in out.parents):
-        raise ValueError(
-            f"out={out} overlaps {run_dir}, the run directory of the checkpoint being exported; "
-            "choose a directory outside it."
-        )
 
 
 def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -87,7 +74,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     out = Path(out).expanduser().resolve()
     check_out(out, overwrite)
     ckpt = resolve_checkpoint(ckpt)
-    check_out_apart(out, ckpt)
+    check_export_destination(out, ckpt, out_is_file=False)
     loaded = load_checkpoint(ckpt)
     cfg = loaded.config
     hf_config = LlamaConfig(**hf_config_dict(cfg), architectures=["LlamaForCausalLM"], dtype="float32")

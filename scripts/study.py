@@ -44,7 +44,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from rope_llama import ROOT
-from rope_llama.core.checkpoint import resolve_checkpoint
+from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
 from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.inference.options import write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
@@ -99,6 +99,7 @@ SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
 SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hundred tokens with a tiny BPE
 TRAINED = "study_trained"  # marker file in a run directory: its training finished
+DONE = "study_done"  # marker file in an evaluation's out directory: every output of the step is written
 
 
 class Steps:
@@ -118,9 +119,10 @@ class Steps:
             minutes = (time.monotonic() - self.started) / 60
             print(f"[study {minutes:5.1f} min] {line}", flush=True)
 
-    def step(self, name: str, done: Path, command: list[str], touch_done: bool = False) -> None:
-        """Run one entry point unless `done` exists; a failure stops the study with one sentence.
-        touch_done: `done` is a marker the study writes once the command succeeded (not its output)."""
+    def step(self, name: str, done: Path, command: list[str]) -> None:
+        """Run one entry point unless its marker `done` exists; a failure stops the study with one sentence.
+        The study writes `done` (atomically) only after the command succeeded, so a step killed while
+        writing its outputs runs again."""
         if done.exists():
             self.say(f"{name}: done ({done} exists), skipped")
             return
@@ -145,8 +147,7 @@ class Steps:
             )
         if returncode != 0:
             raise RuntimeError(f"step {name!r} failed{where}; fix it and re-run the same command to resume.")
-        if touch_done:
-            done.touch()
+        atomic_write_text(done, " ".join(command) + "\n")
         self.say(f"{name}: finished in {(time.monotonic() - begun) / 60:.1f} min")
 
     def guarded(self, lane: Callable[[], None]) -> None:
@@ -450,13 +451,13 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         # the study marks a finished training itself, and an interrupted one resumes exactly.
         resume = ["ckpt_path=last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
         steps.step(f"train {name}", run_dir / TRAINED,
-                   ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args, *resume], touch_done=True)  # fmt: skip
+                   ["train.py", f"hydra.run.dir={run_dir}", *train_args, *args, *resume])  # fmt: skip
         return run_dir
 
     def evaluate(name: str, ckpt: Path, methods: str) -> None:
         for corpus in cfg.corpora:
             data = [] if corpus == "own" else [f"data={corpus}"]
-            steps.step(f"eval {name} on {corpus}", out / "eval" / corpus / name / "windows.csv",
+            steps.step(f"eval {name} on {corpus}", out / "eval" / corpus / name / DONE,
                        ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
                         f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
                         *threads, *data])  # fmt: skip
@@ -465,7 +466,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         if cfg.retrieval:
             depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
             options = ["task_options.multikey.keys=2", "task_options.vartrack.chains=1"] if cfg.smoke else []
-            steps.step(f"retrieval {name}", out / "retrieval" / name / "trials.csv",
+            steps.step(f"retrieval {name}", out / "retrieval" / name / DONE,
                        ["scripts/passkey.py", f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
                         f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
                         f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip

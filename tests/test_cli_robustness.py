@@ -142,7 +142,7 @@ ROWS = [
     ),
     *rows("self-overwrite",
         Row("export-hf-into-its-run-dir", EXPORT_HF, "ckpt={VICTIM} out={VICTIM} overwrite=true", 2,
-            "out={VICTIM} overlaps {VICTIM}, the run directory of the checkpoint being exported",
+            "out={VICTIM} is inside the run directory {VICTIM} (it holds checkpoints/ or .hydra/)",
             setup="run copy", post="checkpoint still loads"),
         Row("import-hf-into-its-hf-dir", IMPORT_HF, "hf_dir={HF} out={HF}/model.ckpt overwrite=true", 2,
             "out={HF}/model.ckpt overlaps hf_dir={HF}, the directory being imported",

@@ -140,13 +140,34 @@ def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(
         main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        f"error: out={run_dir} overlaps {run_dir}, the run directory of the checkpoint being exported; "
-        "choose a directory outside it.\n"
+        f"error: out={run_dir} is inside the run directory {run_dir} (it holds checkpoints/ or .hydra/); exports "
+        "never write into a run directory: choose a path outside it.\n"
     )
-    for out in (tmp_path / "link", tmp_path, run_dir / "checkpoints", run_dir / "hf"):  # is, above, inside
-        with pytest.raises(ValueError, match=f"overlaps {run_dir}, the run directory"):
+    for out in (tmp_path / "link", run_dir / "checkpoints", run_dir / "hf"):  # is (a link to), inside
+        with pytest.raises(ValueError, match=f"is inside the run directory {run_dir} "):
             export(ckpt, out, overwrite=True)
+    with pytest.raises(ValueError, match=f"would replace {ckpt}, the checkpoint being exported"):
+        export(ckpt, tmp_path, overwrite=True)  # above it
     assert ckpt.read_bytes() == before and sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
+
+
+def test_exports_never_write_into_another_run_directory(tmp_path, macbeth_tokenizer):
+    """Not even with overwrite=true: a run directory is any folder holding checkpoints/ or .hydra/."""
+    from scripts.export_gguf import export as export_gguf
+
+    ckpt = write_checkpoint(tmp_path / "a" / "checkpoints", macbeth_tokenizer, ROPES["none"])
+    other = tmp_path / "b"
+    (other / ".hydra").mkdir(parents=True)
+    (other / "tokenizer.json").write_text("the other run's tokenizer")
+    for out, exporter in (
+        (other, export),
+        (other / "tokenizer.json", export_gguf),
+        (other / "x" / "m.gguf", export_gguf),
+    ):
+        with pytest.raises(ValueError, match=f"is inside the run directory {other} "):
+            exporter(ckpt, out, overwrite=True)
+    assert (other / "tokenizer.json").read_text() == "the other run's tokenizer"
+    assert sorted(p.name for p in other.iterdir()) == [".hydra", "tokenizer.json"]
 
 
 def test_overwrite_replaces_only_the_files_export_writes(tmp_path, macbeth_tokenizer):

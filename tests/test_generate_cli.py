@@ -114,8 +114,11 @@ CLI_ERRORS = {  # args ({CKPT} = the good run dir, ...) -> the sentence on stder
         "valid scalings are",
     ),
     "top_p": (["ckpt={CKPT}", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
-    "temperature": (["ckpt={CKPT}", "prompt=x", "temperature=-1"], "temperature must be >= 0"),
-    "top_k": (["ckpt={CKPT}", "prompt=x", "top_k=-3"], "top_k must be >= 0"),
+    "temperature": (
+        ["ckpt={CKPT}", "prompt=x", "temperature=-1"],
+        "temperature must be a finite number >= 0",
+    ),
+    "top_k": (["ckpt={CKPT}", "prompt=x", "top_k=-3"], "top_k must be an integer >= 0"),
     "negative start_pos": (
         ["ckpt={CKPT}", "prompt=ROMEO", "start_pos=-1"],
         "start_pos must be an integer >= 0",

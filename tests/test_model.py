@@ -268,3 +268,17 @@ def test_export_refuses_previous_token_mixing():
         "model.mix_previous_tokens=2 cannot be exported: transformers' Llama has no previous-token input "
         "mixing, so the exported model would compute something else."
     )
+
+
+def test_mixing_more_previous_tokens_than_the_sequence_holds_is_all_zeros_beyond_it():
+    """n > L: the embeddings further back than the first token are zeros, not wrapped-around slices."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, mix_previous_tokens=6)
+    model = Llama(cfg).eval()
+    idx = torch.randint(0, 64, (2, 4))
+    x = model.embed(idx)
+    gates = model.previous_token_gates
+    expected = x.clone()
+    for t in range(4):
+        for i in range(1, t + 1):
+            expected[:, t] += gates[i - 1] * x[:, t - i]
+    torch.testing.assert_close(model.embed_tokens(idx), expected)

@@ -260,8 +260,8 @@ def test_lr_multiplier_follows_the_configured_schedule():
             "linear",
             r"Unknown learning-rate schedule optim.schedule='linear'; choose one of cosine, wsd.",
         ),
-        ("decay_fraction", 0.0, r"optim.decay_fraction must be in \(0, 1\], got 0.0."),
-        ("decay_fraction", 1.5, r"optim.decay_fraction must be in \(0, 1\], got 1.5."),
+        ("decay_fraction", 0.0, r"optim.decay_fraction must be a finite number in \(0, 1\], got 0.0."),
+        ("decay_fraction", 1.5, r"optim.decay_fraction must be a finite number in \(0, 1\], got 1.5."),
     ],
 )
 def test_bad_schedule_settings_are_one_sentence(field, value, message):

@@ -38,6 +38,29 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
         study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
 
 
+def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
+    """windows.csv alone (a kill or a full disk mid-write) is not done: only the study's marker, written after
+    the step succeeded, is; the marker is written last and atomically."""
+    commands = []
+
+    def fake_run(command, cwd, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=0 if len(commands) == 1 else 1)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    (tmp_path / "runs" / "base_s0").mkdir(parents=True)
+    (tmp_path / "runs" / "base_s0" / study.TRAINED).touch()
+    eval_dir = tmp_path / "eval" / "own" / "base_s0"
+    eval_dir.mkdir(parents=True)
+    (eval_dir / "windows.csv").write_text("method,length,lo")  # truncated
+    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    with pytest.raises(RuntimeError, match="step 'eval base_s0 on kjv' failed"):
+        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, jobs=1), [])
+    assert commands[0][1] == "scripts/eval_extrapolation.py" and f"out={eval_dir}" in commands[0]  # ran again
+    assert (eval_dir / study.DONE).read_text() == " ".join(commands[0][1:]) + "\n"
+    assert not (tmp_path / "eval" / "kjv" / "base_s0" / study.DONE).exists()  # the failed step: no marker
+
+
 def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     """With recipe=recall_base the PI/YaRN fine-tunes start from a base with previous-token mixing, so
     their composed config must keep the recipe's model (and data) settings and add extend_context's."""
@@ -53,9 +76,9 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     (base / study.TRAINED).touch()
     for corpus in ("own", "kjv"):  # base_s0's evaluations and retrieval are done: the PI fine-tune runs next
         (tmp_path / "eval" / corpus / "base_s0").mkdir(parents=True)
-        (tmp_path / "eval" / corpus / "base_s0" / "windows.csv").touch()
+        (tmp_path / "eval" / corpus / "base_s0" / study.DONE).touch()
     (tmp_path / "retrieval" / "base_s0").mkdir(parents=True)
-    (tmp_path / "retrieval" / "base_s0" / "trials.csv").touch()
+    (tmp_path / "retrieval" / "base_s0" / study.DONE).touch()
     monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
         study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])

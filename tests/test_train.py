@@ -202,7 +202,10 @@ def test_wsd_schedule_drives_the_logged_learning_rate(tmp_path, corpus):
 
 
 def test_schedule_steps_must_be_a_positive_integer():
-    with pytest.raises(ValueError, match=r"optim.schedule_steps must be a positive integer or null .*got 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"optim.schedule_steps must be an integer >= 1 or null \(trainer.max_steps\), got 0\.",
+    ):
         OptimConfig(schedule_steps=0)
 
 

@@ -72,10 +72,17 @@ class SamplingConfig:
     greedy: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}.")
+        if not (
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0
+        ):
+            raise GenerationError(
+                f"temperature must be a finite number >= 0 (0 = greedy; inf would sample uniform noise), "
+                f"got {self.temperature}."
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k}.")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {self.top_p}.")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import tempfile
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rope_llama.core.checkpoint import LoadedCheckpoint
+from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
 from rope_llama.core.cli import build
 from rope_llama.inference.evaluation import (
     CKPT_METHOD,
@@ -189,8 +190,9 @@ def long_documents(cfg: DictConfig, ckpt: LoadedCheckpoint, min_tokens: int) -> 
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
-    """rows -> CSV with a header (the first row's keys unless `fields` is given)."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    """rows -> CSV with a header (the first row's keys unless `fields` is given), written atomically."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=fields or list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())

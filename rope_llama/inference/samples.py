@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from rope_llama.core.checks import check_number
 from rope_llama.inference.generation import SamplingConfig, generate
 
 
@@ -18,8 +19,11 @@ class TextSample(L.Callback):
     def __init__(
         self, tokenizer, run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int
     ):
+        """Checked here, so a bad sample.* fails before training starts, not at the first validation."""
+        check_number("sample.max_new_tokens", max_new_tokens, minimum=0, integer=True)  # 0: no sample
+        self.sampling = SamplingConfig(temperature=temperature, top_k=top_k)
         self.tokenizer, self.run_dir, self.prompt = tokenizer, Path(run_dir), prompt
-        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.max_new_tokens = max_new_tokens
         self.rows: list[list] = []
 
     @torch.no_grad()
@@ -36,7 +40,7 @@ class TextSample(L.Callback):
                 pl_module.model,
                 [prompt],
                 self.max_new_tokens,
-                SamplingConfig(temperature=self.temperature, top_k=self.top_k),
+                self.sampling,
                 eos_id=self.tokenizer.eos_id,
                 seed=0,  # the same draw at every validation, so samples are comparable
             )

@@ -272,8 +272,13 @@ class Llama(nn.Module):
         n = self.config.mix_previous_tokens
         if not n:
             return x
-        if kv_cache is None:  # (B, L, n, C): embedding i + 1 back, zeros before the first token
-            previous = torch.stack([F.pad(x[:, : x.shape[1] - i], (0, 0, i, 0)) for i in range(1, n + 1)], 2)
+        if (
+            kv_cache is None
+        ):  # (B, L, n, C): embedding i + 1 back, zeros before the first token (all when i >= L)
+            L = x.shape[1]
+            previous = torch.stack(
+                [F.pad(x[:, : max(L - i, 0)], (0, 0, min(i, L), 0)) for i in range(1, n + 1)], 2
+            )
         else:
             ids, exists = kv_cache.previous_tokens(idx, n)
             previous = self.embed(ids) * exists[..., None]

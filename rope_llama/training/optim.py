@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rope_llama.core.checks import check_number
+
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 MUON_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # and "auto": resolve_muon_dtype
@@ -77,14 +79,21 @@ class OptimConfig:
             raise ValueError(
                 f"Unknown optim.muon_dtype={self.muon_dtype!r}; choose auto, {', '.join(MUON_DTYPES)}."
             )
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction!r}.")
+        check_number("optim.lr", self.lr, above=0)
+        check_number("optim.muon_lr", self.muon_lr, above=0)
+        check_number("optim.min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)  # < 0: gradient ascent
+        check_number("optim.decay_fraction", self.decay_fraction, above=0, maximum=1)
+        check_number("optim.weight_decay", self.weight_decay, minimum=0)
+        check_number("optim.muon_weight_decay", self.muon_weight_decay, minimum=0)
+        check_number("optim.muon_momentum", self.muon_momentum, minimum=0, below=1)
+        check_number("optim.warmup_steps", self.warmup_steps, minimum=0, integer=True)
         self.betas = tuple(self.betas)  # a YAML list
-        steps = self.schedule_steps
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(
-                f"optim.schedule_steps must be a positive integer or null (= trainer.max_steps), got {steps!r}."
-            )
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas must be two numbers [beta1, beta2], got {list(self.betas)!r}.")
+        for i, beta in enumerate(self.betas):
+            check_number(f"optim.betas[{i}]", beta, minimum=0, below=1)
+        check_number("optim.schedule_steps", self.schedule_steps, minimum=1, integer=True, allow_none=True,
+                     none_means="trainer.max_steps")  # fmt: skip
 
 
 def lr_multiplier(cfg: OptimConfig, step: int, schedule_steps: int) -> float:

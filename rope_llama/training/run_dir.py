@@ -75,5 +75,8 @@ def write_hydra_config(run_dir: Path, cfg: DictConfig, task_overrides: list[str]
     """What Hydra would have written before the checks: the composed config (unresolved) and the overrides."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    task = OmegaConf.masked_copy(
+        cfg, [k for k in cfg if k != "hydra"]
+    )  # as Hydra saves it (an in-process compose keeps it)
+    atomic_write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(task))
     atomic_write_text(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(task_overrides))))
