@@ -18,7 +18,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import LoadedCheckpoint
@@ -86,13 +86,20 @@ def read_prompts(cfg: DictConfig) -> list[str]:
     return lines
 
 
+def stop_strings(stop) -> list[str]:
+    """stop=null, one string or a list of strings (stop="END" is one string, not 3 letters), unescaped."""
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list | ListConfig) or not all(isinstance(s, str) and s for s in stop):
+        raise GenerationError(f"stop must be a string or a list of non-empty strings, got {stop!r}.")
+    return [unescape(s) for s in stop]
+
+
 def run_sample(
     cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, sampling: SamplingConfig, prompt_texts: list[str]
 ) -> None:
     texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
     prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]  # documents start with bos in training
-    stop = [cfg.stop] if isinstance(cfg.stop, str) else cfg.stop  # stop="END" is one string, not 3 letters
-    streams = [TextStream(tok.decode, [unescape(s) for s in stop]) for _ in prompts]
+    streams = [TextStream(tok.decode, stop_strings(cfg.stop)) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
     # The prompt is echoed with the first new text: a refusal (options, memory, positions) prints only itself.
     unechoed = [texts[0]] if live else []
@@ -152,6 +159,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.mode == "sample":
         sampling = SamplingConfig(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy))
         check_integer("num_samples", cfg.num_samples, 1)
+        stop_strings(cfg.stop)
         texts = read_prompts(cfg)
         run_sample(cfg, *load(cfg), sampling, texts)
     elif cfg.mode == "score":

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rope_llama import CONFIGS
+from rope_llama.core.checks import check_number
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.inference.evaluation import (
     bootstrap_mean,
@@ -176,12 +177,15 @@ def check_options(cfg: DictConfig) -> None:
     check_integer("chunk", cfg.chunk, 1)
     if cfg.bootstrap not in ("window", "document"):
         raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
-    if cfg.max_windows is not None and cfg.max_windows < 1:
-        raise ValueError(f"max_windows must be a positive integer or null, got {cfg.max_windows}.")
-    if cfg.sliding_stride is not None and cfg.sliding_stride < 1:
-        raise ValueError(
-            f"sliding_stride must be a positive number of tokens or null, got {cfg.sliding_stride}."
-        )
+    check_number("max_windows", cfg.max_windows, minimum=1, integer=True, allow_none=True, none_means="all")
+    check_number(
+        "sliding_stride", cfg.sliding_stride, minimum=1, integer=True, allow_none=True, none_means="skip"
+    )
+    check_number("n_boot", cfg.n_boot, minimum=1, integer=True)  # bootstrap resamples
+    check_number("curve_buckets", cfg.curve_buckets, minimum=1, integer=True)
+    check_number("seed", cfg.seed, minimum=0, integer=True)
+    if cfg.split not in ("val", "test"):
+        raise ValueError(f"split must be val or test (held-out documents), got {cfg.split!r}.")
 
 
 @torch.inference_mode()

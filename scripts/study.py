@@ -43,8 +43,9 @@ import matplotlib
 import numpy as np
 from omegaconf import OmegaConf
 
-from rope_llama import ROOT
+from rope_llama import CONFIGS, ROOT
 from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
+from rope_llama.core.checks import check_number
 from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.inference.options import write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
@@ -422,6 +423,31 @@ def check_config(cfg: StudyConfig) -> None:
         )
     if not (isinstance(cfg.jobs, int) and cfg.jobs >= 1):
         raise ValueError(f"jobs must be an integer >= 1 (steps run at once), got {cfg.jobs!r}.")
+    # What the steps will pass on, checked before the first one starts (a step would find it only hours in).
+    recipes = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+    if cfg.recipe is not None and cfg.recipe not in recipes:
+        raise ValueError(
+            f"recipe={cfg.recipe!r} is not an experiment; choose one of {', '.join(recipes)} or null."
+        )
+    groups = sorted(p.stem for p in (CONFIGS / "data").glob("*.yaml"))
+    if unknown := [c for c in cfg.corpora if c != "own" and c not in groups]:
+        raise ValueError(
+            f"corpora {unknown} are unknown; a corpus is `own` or a data group ({', '.join(groups)})."
+        )
+    for name in ("base_ckpt", "large_base_ckpt"):
+        if getattr(cfg, name) is not None:
+            resolve_checkpoint(getattr(cfg, name))  # one sentence when it does not exist
+    for name in ("lengths", "retrieval_lengths"):
+        values = getattr(cfg, name)
+        if values is not None and (
+            not values or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in values)
+        ):
+            raise ValueError(f"{name} must be a non-empty list of integers >= 2, got {list(values)!r}.")
+    for name, minimum in (("max_windows", 1), ("retrieval_trials", 1)):
+        check_number(name, getattr(cfg, name), minimum=minimum, integer=True)
+    check_number(
+        "threads", cfg.threads, minimum=1, integer=True, allow_none=True, none_means="torch's default"
+    )
 
 
 def run(cfg: StudyConfig, train_extra: list[str]) -> None:

@@ -40,7 +40,7 @@ def check_number(
     if value is None and allow_none:
         return
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    ok = is_number and (not integer or float(value).is_integer()) and math.isfinite(value)
+    ok = is_number and (not integer or isinstance(value, int)) and math.isfinite(value)
     ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
     ok = ok and (above is None or value > above) and (below is None or value < below)
     if not ok:

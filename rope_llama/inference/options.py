@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
+from rope_llama.core.checks import check_number
 from rope_llama.core.cli import build
 from rope_llama.inference.evaluation import (
     CKPT_METHOD,
@@ -87,6 +88,9 @@ def check_common(cfg: DictConfig) -> None:
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     check_integer("batch_tokens", cfg.batch_tokens, 1)
+    check_number(
+        "threads", cfg.threads, minimum=1, integer=True, allow_none=True, none_means="torch's default"
+    )
     if cfg.threads is not None:
         torch.set_num_threads(int(cfg.threads))
 

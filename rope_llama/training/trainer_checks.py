@@ -3,8 +3,10 @@ refuse some only inside fit, divide by others, or train backwards with a negativ
 
 from __future__ import annotations
 
+import os
+
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from rope_llama.core.checks import check_number
 from rope_llama.core.precision import AUTO
@@ -27,6 +29,13 @@ def check_trainer(trainer: DictConfig) -> None:
     check_number("trainer.log_every_n_steps", trainer.log_every_n_steps, minimum=1, integer=True)
     check_number("trainer.limit_val_batches", trainer.limit_val_batches, minimum=0)  # 0: no validation
     check_number("trainer.num_sanity_val_steps", trainer.num_sanity_val_steps, minimum=-1, integer=True)
+    check_number("trainer.num_nodes", trainer.num_nodes, minimum=1, integer=True)
+    devices = trainer.devices
+    if not (devices in ("auto", -1) or isinstance(devices, list | ListConfig)):
+        available = (
+            torch.cuda.device_count() if str(trainer.accelerator) in ("gpu", "cuda") else os.cpu_count()
+        )
+        check_number("trainer.devices", devices, minimum=1, maximum=max(available or 1, 1), integer=True)
     if str(trainer.precision) not in PRECISIONS:
         raise ValueError(f"trainer.precision={trainer.precision!r} is not one of {', '.join(PRECISIONS)}.")
     accelerator = str(trainer.accelerator)
