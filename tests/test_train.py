@@ -254,7 +254,7 @@ def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corp
         "data.max_len=64",
         f"init_from={base / 'checkpoints' / 'last.ckpt'}",
         "trainer.max_steps=10",
-        "optim.lr=0",  # no update: the new run must start from (and keep) the loaded weights
+        "optim.lr=1e-30",  # updates below float32 resolution: the run must start from (and keep) the loaded weights
         name="extended",
     )
     ckpt = safe_load(ext / "checkpoints" / "last.ckpt")
