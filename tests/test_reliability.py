@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 import train as train_py
 from rope_llama.core.checkpoint import (
@@ -581,3 +582,14 @@ def test_rope_rejects_invalid_input_with_documented_types(bad, negative):
         rope(torch.randn(1, 3, 8), torch.tensor([negative, 0, 1]))
     with pytest.raises(TypeError, match="floating-point"):
         rope(torch.ones(1, 3, 8, dtype=torch.int32))
+
+
+def test_hparams_record_the_runs_own_seed(tmp_path, corpus, monkeypatch, capsys):
+    """The data module's own hparams (its `seed` is data.seed) no longer overwrite the run's config."""
+    run_dir = tmp_path / "seeded"
+    code, err = cli(
+        tiny_overrides(tmp_path, corpus) + ["seed=5", f"hydra.run.dir={run_dir}"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    hparams = OmegaConf.load(run_dir / "hparams.yaml")
+    assert hparams.seed == 5 and hparams.data.seed != 5
