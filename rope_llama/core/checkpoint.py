@@ -57,8 +57,11 @@ class LoadedCheckpoint:
         candidates = [Path(self.tokenizer_path)] if self.tokenizer_path else []
         candidates += [self.path.parent / "tokenizer.json", self.path.parent.parent / "tokenizer.json"]
         for candidate in candidates:
-            if candidate.is_file() and (self.tokenizer_sha256 in (None, file_sha256(candidate))):
-                return candidate
+            try:
+                if candidate.is_file() and (self.tokenizer_sha256 in (None, file_sha256(candidate))):
+                    return candidate
+            except OSError:  # unreadable (permissions, I/O): the copy beside the run may still serve
+                continue
         where = ", ".join(str(c) for c in candidates) or "nowhere (the checkpoint records no tokenizer)"
         raise CheckpointError(
             f"The tokenizer of {self.path} is missing or changed; looked for it at {where}."

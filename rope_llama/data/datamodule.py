@@ -201,9 +201,12 @@ class TextDataModule(L.LightningDataModule):
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}.")
-        self.save_hyperparameters(
-            logger=False
-        )  # train.py logs the whole config; ours would overwrite its `seed`
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(
+                f"data.num_workers must be an integer >= 0 (0 = load in the main process), got {num_workers!r}."
+            )
+        # train.py logs the whole config; the data module's own hparams would overwrite its `seed`
+        self.save_hyperparameters(logger=False)
         self.max_len, self.batch_size, self.num_workers, self.seed = max_len, batch_size, num_workers, seed
         self.val_max_batches, self.val_batch_size = val_max_batches, val_batch_size
         self.cache: TokenCache | None = None
