@@ -593,3 +593,23 @@ def test_hparams_record_the_runs_own_seed(tmp_path, corpus, monkeypatch, capsys)
     assert code == 0, err
     hparams = OmegaConf.load(run_dir / "hparams.yaml")
     assert hparams.seed == 5 and hparams.data.seed != 5
+
+
+def test_an_unreadable_recorded_tokenizer_falls_back_to_the_copy_beside_the_run(tmp_path, monkeypatch):
+    from rope_llama.core import checkpoint
+
+    (tmp_path / "elsewhere").mkdir()
+    tok = text_tokenizer(tmp_path / "elsewhere")  # the recorded path
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    atomic_torch_save(weights_checkpoint(tiny(tok.vocab_size), tok, L0), run / "checkpoints" / "last.ckpt")
+    (run / "tokenizer.json").write_bytes(Path(tok.path).read_bytes())  # what train.py copies there
+    real = checkpoint.file_sha256
+
+    def unreadable(path):
+        if Path(path) == Path(tok.path).resolve():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "file_sha256", unreadable)
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt").tokenizer_file() == run / "tokenizer.json"
