@@ -251,7 +251,8 @@ def test_experiment_composes(tmp_path):
     recall = RecallConfig.from_options(dict(cfg.data.recall))
     assert recall.queries == cfg.data.recall.queries
     assert cfg.model.mix_previous_tokens and cfg.optim.name == "muon" and cfg.data.recall.copy_fraction > 0
-    assert cfg.data.recall.answer_weight > 1  # the answers weigh more in the loss (docs/data.md, tenth round)
+    # the answers weigh more in the loss (reports/2026-11-27-recall-rounds.md, tenth round)
+    assert cfg.data.recall.answer_weight > 1
     assert recall.word_tag_share > 0 and recall.unstated_share > 0  # eighteenth round
     assert cfg.optim.min_lr_ratio > OptimConfig().min_lr_ratio  # the recipe's own floor
     assert cfg.optim.muon_lr == 0.02  # the bases' Muon rate, not optim=muon's default (0.01 since 2026-11-28)

@@ -12,7 +12,7 @@ cut out of the prompt (what the question's wording alone predicts), and how ofte
 token, then for the `heads` heads that attend most to the needle, their attention mass on the
 needle's answer position and on the other positions after the last token, and the logit gap (needle
 minus the mean of the others). A gap that falls as the needle moves away is a recency preference that
-loses far keys to the repeated filler (docs/data.md, fifteenth round).
+loses far keys to the repeated filler (reports/2026-11-27-recall-rounds.md, fifteenth round).
 """
 
 from __future__ import annotations

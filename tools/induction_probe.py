@@ -9,7 +9,7 @@ vocabulary) that each occur `repeats` times in shuffled order, so a repeated seg
 distance from its first occurrence and only content matching (an induction head) predicts it; a
 fixed offset would let a positional head solve the task without generalising. Prints the loss and the
 copy accuracy (argmax on every target inside a repeated segment, after its first token) every
-`every` steps, and the first step at which copy accuracy passes `threshold`. docs/data.md (Recall
+`every` steps, and the first step at which copy accuracy passes `threshold`. reports/2026-11-27-recall-rounds.md (Recall
 windows) explains why this is the bottleneck of a retrieval-capable base model.
 """
 

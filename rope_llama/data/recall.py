@@ -126,38 +126,38 @@ class RecallConfig:
     far_share: float = 0.3  # share of windows (at full curriculum) with a fact in the haystack's first tenth
     # Share of recall windows whose tags all end in the same noun ("iron bell", "old bell"), so the token
     # before " is" matches every fact and only the one before it tells them apart: the passkey's " ke"+"y is"
-    # shares its last two tokens with the filler's " sk"+"y is" (docs/data.md, seventh round).
+    # shares its last two tokens with the filler's " sk"+"y is" (reports/2026-11-27-recall-rounds.md, seventh round).
     shared_noun_share: float = 0.0
     # Loss weight of the recall answers' tokens (each other token weighs 1; the loss is the weighted mean):
     # the first answer token decides between copying the value and continuing the text, and at weight 1
-    # the answers are ~2% of a batch's loss (docs/data.md, tenth round). 1 = off: batches stay (x, y).
+    # the answers are ~2% of a batch's loss (reports/2026-11-27-recall-rounds.md, tenth round). 1 = off: batches stay (x, y).
     answer_weight: float = 1.0
     # Share of recall windows (at full curriculum; scaled by its progress, so the copy forms first) holding a
     # decoy: one never-asked fact stated 2-8 times whose tag shares an asked fact's noun. The passkey's
     # question shares its last tokens with the filler's "The sky is blue.", repeated a dozen times, and the
-    # misses of eleven rounds are that filler's " blue" or a newline (docs/data.md, twelfth round).
+    # misses of eleven rounds are that filler's " blue" or a newline (reports/2026-11-27-recall-rounds.md, twelfth round).
     decoy_share: float = 0.0
     # Share of recall windows (at full curriculum; scaled by its progress) in which one asked fact is never
     # stated: its question still ends the window, and only its answer's first token (the value's leading
     # space) is trained, its digits weighing 0, so a question must predict a number from its wording alone,
-    # as the one base that answers the passkey from the question does (docs/data.md, fifteenth round).
+    # as the one base that answers the passkey from the question does (reports/2026-11-27-recall-rounds.md, fifteenth round).
     unstated_share: float = 0.0
     # Share of recall windows whose tags are two random one-token words of the tokenizer's vocabulary ("The
     # dagger honest is 48213.") instead of an adjective and a noun from the lists above: the bases answer a
     # question about a listed tag with a number, with or without the fact, but not one about "the pass key"
-    # (docs/data.md, fifteenth round). 0 draws nothing.
+    # (reports/2026-11-27-recall-rounds.md, fifteenth round). 0 draws nothing.
     word_tag_share: float = 0.0
     # Share of recall windows (at full curriculum; scaled by its progress) holding a filler block: one to three
     # never-asked statements "The <word> is <word>." with word values, the first about the asked fact's last
     # tag word ("The bell is narrow." beside "The iron bell is 73912."), the block repeated 2-8 times. The
     # passkey's filler "The sky is blue." matches its question "The pass key is" on " y is" and repeats a dozen
     # times; a word value after a matching " is" is never the answer, so only the tag's earlier tokens or a
-    # number prior tell the needle apart (docs/data.md, sixteenth round). 0 draws nothing.
+    # number prior tell the needle apart (reports/2026-11-27-recall-rounds.md, sixteenth round). 0 draws nothing.
     filler_share: float = 0.0
     # Share of copy windows' numbers that are runs of 2-4 consecutive numbers (" 41337 41338 41339"): each
     # number's digits follow from the previous one's, so a digit's identity pays before any induction head
     # forms; elsewhere the values are random, and every base first folds the ten digits' embeddings onto one
-    # direction, which the bases that never copy keep (docs/data.md, twenty-first and twenty-second rounds).
+    # direction, which the bases that never copy keep (reports/2026-11-27-recall-rounds.md, twenty-first and twenty-second rounds).
     # 0 draws nothing.
     counting_share: float = 0.0
 
@@ -299,7 +299,7 @@ class RecallMixer:
         from its first occurrence. Only content matching (an induction head) predicts a repeat; a fixed
         distance would teach a positional shortcut that does not transfer. Random numbers alone leave the
         digits' embeddings folded together until a copy forms, if it does; counting runs (`counting_share`)
-        make a digit's identity pay from the start (docs/data.md, twenty-second round)."""
+        make a digit's identity pay from the start (reports/2026-11-27-recall-rounds.md, twenty-second round)."""
         n, out, cursor, total = len(haystack), [], 0, 0
         while total < n:
             spans = []

@@ -92,7 +92,7 @@ class RecallProbe(L.Callback):
             print(
                 f"RecallProbe: at step {step} of {max_steps} the held-out recall digits are at {digits:.2f} "
                 "(chance about 0.1); every recall_base run that low at step 1950 of 2600 never learned to copy "
-                "(docs/data.md, twenty-first round): another seed is the remedy.",
+                "(reports/2026-11-27-recall-rounds.md, twenty-first round): another seed is the remedy.",
                 flush=True,
             )
 
