@@ -21,7 +21,6 @@ import glob
 import hashlib
 import json
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -31,6 +30,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from rope_llama import ROOT
+from rope_llama.core.checkpoint import atomic_file
 from rope_llama.data import DataError
 from rope_llama.data.sources import (
     SHAKESPEARE_TEST,
@@ -226,7 +226,7 @@ def _tokenize_split(docs: list[str], tokenizer: Tokenizer, directory: str, split
     """Write BOS doc EOS BOS doc EOS ... to <split>.bin atomically; return the split's metadata."""
     offsets, chars, digest = [0], 0, xxhash.xxh3_64()
     bar = tqdm(total=sum(map(len, docs)), unit="char", unit_scale=True, desc=f"tokenizing {split}")
-    with _atomic_file(os.path.join(directory, f"{split}.bin")) as f:
+    with atomic_file(os.path.join(directory, f"{split}.bin")) as f:
         for i in range(0, len(docs), ENCODE_CHUNK_DOCS):
             chunk = docs[i : i + ENCODE_CHUNK_DOCS]
             for ids in tokenizer.encode_batch(chunk):
@@ -252,23 +252,8 @@ def _write_meta(directory: str, meta: dict) -> None:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    with _atomic_file(path) as f:
+    with atomic_file(path) as f:
         f.write(data)
-
-
-@contextlib.contextmanager
-def _atomic_file(path: str):
-    """Yield a binary file that replaces `path` only if the block completes (temp file, fsync, os.replace)."""
-    f = tempfile.NamedTemporaryFile("wb", dir=os.path.dirname(path), suffix=".tmp", delete=False)
-    try:
-        with f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(f.name, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f.name)  # only still there when the block failed
 
 
 def _sha256_file(path: str) -> str:
