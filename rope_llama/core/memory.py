@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rope_llama.model.extend import SCORE_BLOCK_BYTES
+from rope_llama.model.extend import SCORE_BLOCK_BYTES, score_row_bytes
 from rope_llama.model.kv_cache import KVCache
 
 # The estimates leave out small buffers and allocator rounding, and other processes keep allocating.
@@ -119,10 +119,7 @@ def self_extend_score_bytes(config, batch: int, keys: int, dtype: torch.dtype) -
     SCORE_BLOCK_BYTES, or a single row when one row over `keys` keys is larger; 0 without Self-Extend."""
     if config.extend.method != "self_extend":
         return 0
-    row = (
-        batch * config.n_heads * keys * (2 * dtype.itemsize + 2 * 4) + 2 * batch * keys
-    )  # as merged_attention
-    return max(row, SCORE_BLOCK_BYTES)
+    return max(score_row_bytes(batch, config.n_heads, keys, dtype.itemsize), SCORE_BLOCK_BYTES)
 
 
 def new_kv_cache(model, batch_size: int, capacity: int, seq_len: int | None = None) -> KVCache:

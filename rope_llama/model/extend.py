@@ -173,6 +173,11 @@ def logn_scale(position_ids: torch.Tensor, original_max_len: int) -> torch.Tenso
 # ----------------------------------------------------------------------------- attention
 
 
+def score_row_bytes(batch: int, n_heads: int, keys: int, itemsize: int) -> int:
+    """Bytes `merged_attention` holds per query row: both scores, the float32 probabilities, the masks."""
+    return batch * n_heads * keys * (2 * itemsize + 2 * 4) + 2 * batch * keys
+
+
 def per_kv_head(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x (B, KV, R, M, K) @ y (B, KV, K, N) -> (B, KV, R, M, N): the R query heads that share a
     key-value head are the rows of one matmul, so the keys and values are never copied per head."""
@@ -209,8 +214,7 @@ def merged_attention(
     q, q_grouped = q.reshape(shape), q_grouped.reshape(shape)
     near = near[:, :, None]  # (B|1, 1, 1, L, S)
     mask = None if mask is None else mask[:, :, None]
-    row_bytes = B * H * S * (2 * q.element_size() + 2 * 4) + 2 * B * S  # scores, probabilities, masks
-    rows = max(1, SCORE_BLOCK_BYTES // row_bytes)
+    rows = max(1, SCORE_BLOCK_BYTES // score_row_bytes(B, H, S, q.element_size()))
     scale = 1.0 / math.sqrt(D)
     out = []
     for a in range(0, L, rows):
