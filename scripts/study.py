@@ -47,7 +47,7 @@ from rope_llama import CONFIGS, ROOT
 from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
 from rope_llama.core.checks import check_number
 from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
-from rope_llama.inference.options import write_csv
+from rope_llama.inference.options import check_lengths, write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
 from rope_llama.inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
 from rope_llama.inference.stats import pairwise_markdown, pairwise_table, wilson_interval
@@ -438,11 +438,8 @@ def check_config(cfg: StudyConfig) -> None:
         if getattr(cfg, name) is not None:
             resolve_checkpoint(getattr(cfg, name))  # one sentence when it does not exist
     for name in ("lengths", "retrieval_lengths"):
-        values = getattr(cfg, name)
-        if values is not None and (
-            not values or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in values)
-        ):
-            raise ValueError(f"{name} must be a non-empty list of integers >= 2, got {list(values)!r}.")
+        if getattr(cfg, name) is not None:
+            check_lengths(name, list(getattr(cfg, name)))
     for name, minimum in (("max_windows", 1), ("retrieval_trials", 1)):
         check_number(name, getattr(cfg, name), minimum=minimum, integer=True)
     check_number(

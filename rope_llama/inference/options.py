@@ -60,15 +60,19 @@ def check_output_dir(path: str) -> None:
         ) from None
 
 
+def check_lengths(name: str, lengths: list) -> None:
+    """Evaluation lengths: a non-empty list of integers >= 2 (a window needs a token to predict)."""
+    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
+        raise ValueError(f"{name} must be a non-empty list of integers >= 2, got {list(lengths)}.")
+
+
 def check_common(cfg: DictConfig) -> None:
     """Options shared by the scripts, checked before the (slow) checkpoint load."""
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
     if OmegaConf.is_missing(cfg, "out"):
         raise ValueError("No output directory given; pass out=<directory for the results>.")
-    lengths = option_list(cfg, "lengths", "[256,1024]")
-    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
-        raise ValueError(f"lengths must be a non-empty list of integers >= 2, got {lengths}.")
+    check_lengths("lengths", option_list(cfg, "lengths", "[256,1024]"))
     methods = option_list(cfg, "methods", "[none,yarn]")
     if not methods:
         raise ValueError(

@@ -24,7 +24,7 @@ RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 def check_run_name(run_name) -> None:
     """run_name is a plain relative name: runs/<run_name> and nothing else (hydra.run.dir sets any path)."""
     name = str(run_name) if run_name is not None else ""
-    if not PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+    if not PLAIN_NAME.fullmatch(name):  # its first character excludes ".", ".." and "-x"
         raise ValueError(
             f"run_name={name!r} is not a plain name; use letters, digits and . _ = + - (no '/', not empty), "
             "or hydra.run.dir=<path> for a directory elsewhere."
