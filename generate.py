@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.cli import one_sentence_errors
+from rope_llama.core.threads import check_threads
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import (
     GenerationError,
@@ -34,11 +35,13 @@ from rope_llama.inference.generation import (
     score_tokens,
 )
 from rope_llama.inference.loading import load_model
+from rope_llama.inference.options import use_threads
 
 
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
     """The checkpoint `cfg.ckpt` on `cfg.device` in `cfg.dtype`, with the `rope=<group>` and
-    `extend=<group>` overrides if given."""
+    `extend=<group>` overrides if given, on `threads` (chosen silently: stdout and stderr stay the text's)."""
+    use_threads(cfg.threads, say=False)
     rope, extend = (group_values(cfg, name) for name in ("rope", "extend"))
     return load_model(cfg.ckpt, cfg.device, cfg.dtype, rope, extend)
 
@@ -156,6 +159,7 @@ def main(cfg: DictConfig) -> None:
     # options are checked before the (slow) checkpoint load
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
+    check_threads(cfg.threads)
     if cfg.mode == "sample":
         sampling = SamplingConfig(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy))
         check_integer("num_samples", cfg.num_samples, 1)

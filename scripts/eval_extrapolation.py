@@ -42,6 +42,7 @@ from rope_llama.inference.options import (
     method_names,
     method_ropes,
     print_matched_groups,
+    use_threads,
     with_largest_cache,
     write_csv,
 )
@@ -199,6 +200,7 @@ def run(cfg: DictConfig) -> list[dict]:
         batch = rows_per_forward(cfg.batch_tokens, length)
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
         check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
+    use_threads(cfg.threads)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
     rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
 

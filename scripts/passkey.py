@@ -40,6 +40,7 @@ from rope_llama.inference.options import (
     method_ropes,
     option_list,
     print_matched_groups,
+    use_threads,
     with_largest_cache,
     write_csv,
 )
@@ -228,6 +229,7 @@ def run(cfg: DictConfig) -> list[dict]:
     print_matched_groups(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
     check_memory(ckpt.model, cfg)
+    use_threads(cfg.threads)
     trials = []
     cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
     for length, task in tqdm(cells, desc="retrieval", unit="length x task"):

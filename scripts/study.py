@@ -47,6 +47,7 @@ from rope_llama import CONFIGS, ROOT
 from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
 from rope_llama.core.checks import check_number
 from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
+from rope_llama.core.threads import check_threads
 from rope_llama.inference.options import check_lengths, write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
 from rope_llama.inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
@@ -86,7 +87,9 @@ class StudyConfig:
     retrieval_tasks: list[str] = field(default_factory=lambda: list(TASKS))
     retrieval_lengths: list[int] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
-    threads: int | None = None  # torch threads for the evaluations (null = torch's default, or cores / jobs)
+    threads: Any = (
+        "auto"  # torch threads of the evaluations: auto (cores / jobs when jobs > 1, else the free cores) | N
+    )
     # steps run at once: on the 2-core CPU three one-thread trainings side by side do 1.3x the steps of one
     # two-thread training (docs/performance.md); a lane's steps (train, then its evaluations) stay in order
     jobs: int = 3
@@ -442,9 +445,7 @@ def check_config(cfg: StudyConfig) -> None:
             check_lengths(name, list(getattr(cfg, name)))
     for name, minimum in (("max_windows", 1), ("retrieval_trials", 1)):
         check_number(name, getattr(cfg, name), minimum=minimum, integer=True)
-    check_number(
-        "threads", cfg.threads, minimum=1, integer=True, allow_none=True, none_means="torch's default"
-    )
+    check_threads(cfg.threads)
 
 
 def run(cfg: StudyConfig, train_extra: list[str]) -> None:
@@ -457,7 +458,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     train_args = (SMOKE_TRAIN if cfg.smoke else []) + train_extra
     extend_args = SMOKE_EXTEND if cfg.smoke else []
     base_len = 32 if cfg.smoke else 256
-    threads = [f"threads={cfg.threads if cfg.threads is not None else 'null'}"]
+    threads = [f"threads={cfg.threads}"]
     as_list = lambda xs: "[" + ",".join(map(str, xs)) + "]"  # noqa: E731
 
     def experiment(*names: str) -> list[str]:

@@ -29,7 +29,7 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     run = quick_bench(f"precision={precision}", f"out={out}")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| target |" in run.stdout  # the markdown report
-    assert "6/6 training step, model=tiny, eager" in run.stderr  # progress, one line per section
+    assert "7/7 training step, model=tiny, eager" in run.stderr  # progress, one line per section
     r = json.loads(out.read_text())
 
     assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
@@ -78,6 +78,23 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     )
     assert se["kv_cache_bytes"]["on"] > se["kv_cache_bytes"]["off"]  # the grouped keys
     assert "| Self-Extend (W=64, G=32) at context 96 |" in run.stdout
+
+    threads = r["threads"]  # 1 thread against one per core, quiet and beside a training-like process
+    counts = [str(n) for n in threads["thread_counts"]]
+    assert counts[0] == "1" and counts[-1] == str(threads["cores"]) and not threads["errors"]
+    for condition in ("quiet", "loaded"):
+        rates = threads["tokens_per_s"][condition]
+        assert set(rates) == {"decode_eager", "decode_native", "score"}
+        assert all(rates[name][c] > 0 for name in rates for c in counts)
+        for name, ratio in threads["one_over_all"][condition].items():
+            assert math.isclose(ratio, rates[name]["1"] / rates[name][counts[-1]])
+    # the load takes every core, so auto leaves it all but one (at least one)
+    assert (
+        threads["auto_threads"]["loaded"] == 1
+        if threads["cores"] <= 2
+        else threads["auto_threads"]["loaded"] < threads["cores"]
+    )
+    assert "| loaded | decode_eager |" in run.stdout
 
     rope = r["rope"]
     assert rope["calls_per_s"]["ours"] > 0

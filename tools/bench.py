@@ -40,6 +40,7 @@ from rope_llama.bench.peers import (
 )
 from rope_llama.bench.report import evaluate_targets, markdown
 from rope_llama.bench.rope_op import bench_rope
+from rope_llama.bench.threads import bench_threads
 from rope_llama.bench.timing import PRECISIONS, Progress, compute_dtype, matmul_peak
 from rope_llama.bench.training import bench_train, resolve_train_precisions, time_to_quality, train_dtypes
 from rope_llama.core.cli import build
@@ -79,6 +80,8 @@ DEFAULTS = dict(
     ttq_recipes=["auto"],  # tools/time_to_quality.py's auto: adamw and muon, fp32 and (natively) bf16
     ttq_thresholds=[2.10, 2.02],  # held-out val bpc of the default job
     threads=None,
+    shared_cores=True,  # CPU: decode and scoring with 1 thread and one per core, quiet and beside a training job
+    score_len=1024,  # tokens scored per call in that section
     quick=False,
     out="bench.json",
     seed=0,
@@ -93,6 +96,7 @@ QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers ar
     contexts=[16, 64],
     extend_context=96,  # past the default window (64): the merged attention runs
     latency_steps=3,
+    score_len=32,
     rope_shape=[2, 2, 64, 16],
     matmul_n=256,
     repeats=2,
@@ -202,7 +206,8 @@ def main(argv: list[str]) -> dict:
         for shape in args["shapes"]
         for c in ((False, True) if args["compile"] else (False,))
     ]
-    progress = Progress(5 + len(train_runs) + bool(args["ttq"]))
+    shared_cores = bool(args["shared_cores"]) and device.type == "cpu"
+    progress = Progress(5 + len(train_runs) + bool(args["ttq"]) + shared_cores)
     default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
     progress("parity of the peers' logits and the matmul peak")
     parity_models = build_models(default_cfg, model_peers, device, 64, 0)
@@ -220,6 +225,9 @@ def main(argv: list[str]) -> dict:
     gguf_workdir.cleanup()
     progress(f"Self-Extend on vs off at context {args['extend_context']}")
     results["self_extend"] = bench_self_extend(default_cfg, args, device)
+    if shared_cores:
+        progress("threads: 1 against one per core, quiet and beside a training-like job")
+        results["threads"] = bench_threads(default_cfg, args)
     progress("the RoPE op")
     results["rope"] = bench_rope(args, peers, device)
     results["train"] = []

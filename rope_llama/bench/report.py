@@ -100,6 +100,8 @@ def markdown(results: dict) -> str:
         )
         label = "prefill tok/s" if what == "prefill" else f"decode tok/s ({what})"
         lines.append(f"| {label} | {fmt(rates['off'])} | {fmt(rates['on'])} | {ratio:.2f}x |")
+    if "threads" in results:
+        lines += ["", threads_markdown(results["threads"])]
     if "time_to_quality" in results:
         lines += [
             "",
@@ -115,5 +117,27 @@ def markdown(results: dict) -> str:
             f"{side} ({section.get('shape', '')}{' compiled' if section.get('compile') else ''})": e
             for side, e in section["errors"].items()
         }
+    errors |= results.get("threads", {}).get("errors", {})
     lines += [f"\nunavailable / failed: {name}: {why}" for name, why in errors.items()]
+    return "\n".join(lines)
+
+
+def threads_markdown(t: dict) -> str:
+    """tokens/s by thread count, quiet and loaded, with 1 / all and the count threads=auto picked."""
+    counts = [str(n) for n in t["thread_counts"]]
+    header = [f"{c} thread{'s' * (c != '1')} tok/s" for c in counts]
+    lines = [
+        "| condition | workload | " + " | ".join(header) + " | 1 / all | auto picks |",
+        "|---|---|" + "---|" * (len(header) + 2),
+    ]
+    for condition, by_name in t["tokens_per_s"].items():
+        for name, rates in by_name.items():
+            cells = [fmt(rates.get(c)) for c in counts]
+            ratio = t["one_over_all"][condition].get(name)
+            ratio_cell = "-" if ratio is None else f"{ratio:.2f}x"
+            lines.append(
+                f"| {condition} | {name} | "
+                + " | ".join(cells)
+                + f" | {ratio_cell} | {t['auto_threads'][condition]} |"
+            )
     return "\n".join(lines)

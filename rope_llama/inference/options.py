@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
-from rope_llama.core.checks import check_number
 from rope_llama.core.cli import build
+from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import (
     CKPT_METHOD,
     check_method,
@@ -92,11 +92,15 @@ def check_common(cfg: DictConfig) -> None:
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     check_integer("batch_tokens", cfg.batch_tokens, 1)
-    check_number(
-        "threads", cfg.threads, minimum=1, integer=True, allow_none=True, none_means="torch's default"
-    )
-    if cfg.threads is not None:
-        torch.set_num_threads(int(cfg.threads))
+    check_threads(cfg.threads)
+
+
+def use_threads(value, say: bool = True) -> None:
+    """Set torch's threads for `threads=<auto|N>` (core/threads.py), once every check passed (a refusal
+    stays one line), and say how many and why."""
+    choice = apply_threads(value)
+    if say:
+        print(f"threads: {choice.threads} ({choice.reason})", file=sys.stderr)
 
 
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
