@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.cli import one_sentence_errors
-from rope_llama.core.threads import check_threads
+from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import (
     GenerationError,
@@ -35,13 +35,12 @@ from rope_llama.inference.generation import (
     score_tokens,
 )
 from rope_llama.inference.loading import load_model
-from rope_llama.inference.options import use_threads
 
 
 def load(cfg: DictConfig) -> tuple[LoadedCheckpoint, Tokenizer]:
     """The checkpoint `cfg.ckpt` on `cfg.device` in `cfg.dtype`, with the `rope=<group>` and
-    `extend=<group>` overrides if given, on `threads` (chosen silently: stdout and stderr stay the text's)."""
-    use_threads(cfg.threads, say=False)
+    `extend=<group>` overrides if given, on `threads`."""
+    apply_threads(cfg.threads)  # silently: stdout and stderr carry the text
     rope, extend = (group_values(cfg, name) for name in ("rope", "extend"))
     return load_model(cfg.ckpt, cfg.device, cfg.dtype, rope, extend)
 

@@ -36,13 +36,13 @@ from rope_llama.inference.evaluation import (
 from rope_llama.inference.generation import check_integer, check_scoring
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.options import (
+    begin,
     check_common,
     long_documents,
     method_extends,
     method_names,
     method_ropes,
     print_matched_groups,
-    use_threads,
     with_largest_cache,
     write_csv,
 )
@@ -200,7 +200,7 @@ def run(cfg: DictConfig) -> list[dict]:
         batch = rows_per_forward(cfg.batch_tokens, length)
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
         check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
-    use_threads(cfg.threads)
+    begin(cfg, ckpt)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
     rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
 
@@ -211,6 +211,7 @@ def run(cfg: DictConfig) -> list[dict]:
     note = (
         f"# Extrapolation: {ckpt.path}\n\nTraining length L = {max_len}; {len(documents)} {cfg.split} documents, "
         f"up to {cfg.max_windows} non-overlapping windows each (windows per length: {n_windows}). "
+        f"Weights and activations in {str(ckpt.model.embed.weight.dtype).removeprefix('torch.')}. "
         f"Factors: {cfg.factor}. 95% intervals (results.csv) bootstrap over {cfg.bootstrap}s, seed {cfg.seed}"
         + (
             " (windows of one document are correlated: the intervals are optimistic)."

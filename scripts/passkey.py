@@ -34,13 +34,13 @@ from rope_llama.inference.evaluation import answer_and_rank, answered_length, fo
 from rope_llama.inference.generation import check_integer, generation_bytes
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.options import (
+    begin,
     check_common,
     method_extends,
     method_names,
     method_ropes,
     option_list,
     print_matched_groups,
-    use_threads,
     with_largest_cache,
     write_csv,
 )
@@ -229,7 +229,7 @@ def run(cfg: DictConfig) -> list[dict]:
     print_matched_groups(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
     check_memory(ckpt.model, cfg)
-    use_threads(cfg.threads)
+    begin(cfg, ckpt)
     trials = []
     cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
     for length, task in tqdm(cells, desc="retrieval", unit="length x task"):

@@ -17,6 +17,13 @@ pytestmark = (
 )  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
 
 
+def precision_native() -> bool:
+    """Whether precision=auto trains in bf16 here (the suite runs this file with the answer forced both ways)."""
+    from rope_llama.core.precision import bf16_is_native
+
+    return bf16_is_native("cpu")[0]
+
+
 def quick_bench(*args: str) -> subprocess.CompletedProcess:
     """`python tools/bench.py quick=true shapes=[tiny] <args>` from the repo root, output captured."""
     cmd = [sys.executable, "tools/bench.py", "quick=true", "shapes=[tiny]", *args]
@@ -29,7 +36,7 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     run = quick_bench(f"precision={precision}", f"out={out}")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| target |" in run.stdout  # the markdown report
-    assert "7/7 training step, model=tiny, eager" in run.stderr  # progress, one line per section
+    assert "8/8 training step, model=tiny, eager" in run.stderr  # progress, one line per section
     r = json.loads(out.read_text())
 
     assert r["machine"]["cores"] >= 1 and r["machine"]["torch"] and r["machine"]["cpu"]
@@ -78,6 +85,22 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
     )
     assert se["kv_cache_bytes"]["on"] > se["kv_cache_bytes"]["off"]  # the grouped keys
     assert "| Self-Extend (W=64, G=32) at context 96 |" in run.stdout
+
+    scoring = r["scoring"]  # ours (score_tokens) against transformers' forward + cross-entropy
+    dtypes = ["float32", "bfloat16"] if precision_native() else ["float32"]
+    assert (
+        list(scoring["tokens_per_s"]) == [f"{d}_{n}" for d in dtypes for n in (32, 96)]
+        and not scoring["errors"]
+    )
+    for key, rates in scoring["tokens_per_s"].items():
+        assert rates["ours"] > 0
+        for peer, ratio in scoring["ratio"][key].items():
+            assert math.isclose(ratio, rates["ours"] / rates[peer])
+    se_scoring = scoring["self_extend"]
+    assert se_scoring["length"] == 96 and math.isclose(
+        se_scoring["on_over_off"], se_scoring["tokens_per_s"]["on"] / se_scoring["tokens_per_s"]["off"]
+    )
+    assert "| 96 tokens, float32 |" in run.stdout
 
     threads = r["threads"]  # 1 thread against one per core, quiet and beside a training-like process
     counts = [str(n) for n in threads["thread_counts"]]

@@ -63,8 +63,12 @@ def ckpt(run_dir):
 
 
 def compose_script(name: str, run_dir, out, *overrides: str):
+    """configs/<name>.yaml as the CLI composes it, in float32 (the reference mode these tests compare
+    against, on any CPU: dtype=auto would follow the host)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(name, overrides=[f"ckpt={run_dir}", f"out={out}", "device=cpu", *overrides])
+        return compose(
+            name, overrides=[f"ckpt={run_dir}", f"out={out}", "device=cpu", "dtype=float32", *overrides]
+        )
 
 
 def eval_cfg(run_dir, out, *overrides: str):
@@ -303,8 +307,8 @@ def test_bootstrap_interval_contains_the_mean_and_is_seeded():
 
 
 def test_too_short_data_and_unknown_method_fail_with_one_sentence(run_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"No test document has the 1000001 tokens"):
-        eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[1000000]"))
+    with pytest.raises(ValueError, match=r"No test document has the 200001 tokens"):  # fits any host's memory
+        eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[200000]"))
     with pytest.raises(ValueError, match="Unknown method 'pi'"):
         eval_extrapolation.run(eval_cfg(run_dir, tmp_path, "lengths=[16]", "methods=[pi]"))
 
@@ -537,3 +541,17 @@ def test_options_are_refused_before_the_checkpoint_is_loaded(
         script.run(cfg)
     assert message.format(FILE=file) in str(refusal.value)
     assert list(tmp_path.iterdir()) == [file]
+
+
+@pytest.mark.parametrize("native, dtype", [("1", "bfloat16"), ("0", "float32")])
+def test_dtype_auto_evaluates_in_bf16_where_training_would(
+    run_dir, tmp_path, monkeypatch, capsys, native, dtype
+):
+    """eval_extrapolation.py dtype=auto: bf16 where precision=auto trains in it (the CPU's answer is
+    forced here, both ways), and the results and the stderr line say which."""
+    monkeypatch.setenv("ROPE_LLAMA_FORCE_CPU_BF16", native)
+    eval_extrapolation.run(
+        eval_cfg(run_dir, tmp_path, "lengths=[16]", "methods=[none]", "dtype=auto", "threads=1")
+    )
+    assert f"Weights and activations in {dtype}." in (tmp_path / "results.md").read_text()
+    assert f"threads: 1 (threads was given); dtype: {dtype} (" in capsys.readouterr().err

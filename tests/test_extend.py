@@ -19,7 +19,9 @@ from rope_llama.inference.generation import (
     score_tokens,
 )
 from rope_llama.interchange.hf import ExportError
+from rope_llama.kernels import attention as kernel_attention
 from rope_llama.kernels import use_kernels
+from rope_llama.kernels.self_extend import self_extend_attention
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import (
     ExtendConfig,
@@ -415,3 +417,85 @@ def test_generate_cli_scores_with_an_extension_override(tmp_path, monkeypatch, c
     assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
     code, _, err = run_generate_main(args + ["extend=self_extend", "extend.group=0"], monkeypatch, capsys)
     assert code == 2 and "extend group must be an integer >= 1 (a group size), got 0." in err
+
+
+# ----------------------------------------------------------------------------- the blocked kernel
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cached", [0, 3, 6, 7, 20])  # slots before the queries: none, < W, = W, > W
+@pytest.mark.parametrize("queries", [1, 9, 31])
+def test_blocked_self_extend_equals_the_merged_attention(cached, queries, dtype, atol):
+    """kernels/self_extend.py's flash passes merged by log-sum-exp equal `merged_attention` over the
+    band mask, for queries in the last L of S slots, blocks that do not divide L, and grouped heads."""
+    window, S = 6, cached + queries
+    torch.manual_seed(cached * 100 + queries)
+    q, q_grouped = (torch.randn(2, 4, queries, 8, dtype=dtype) for _ in range(2))
+    k, k_grouped, v = (torch.randn(2, 2, S, 8, dtype=dtype) for _ in range(3))
+    slots = torch.arange(S)
+    near = neighbour_mask(slots[cached:], slots, window)[None, None]
+    mask = None if cached == 0 else (slots[None] <= slots[cached:, None])[None, None]
+    expected = merged_attention(q, k, q_grouped, k_grouped, v, near, mask)
+    got = self_extend_attention(q, k, q_grouped, k_grouped, v, window, block=4)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))  # every scaling, and the interleaved layout
+def test_kernel_model_equals_the_plain_merge_in_every_path(rope, monkeypatch):
+    """use_kernels: the full forward, a chunked prefill and decode steps after it equal the plain model
+    (atol 1e-5), and the blocked kernel did run for the consecutive forwards, not for a padded one."""
+    calls = []
+    real = kernel_attention.self_extend_attention
+    monkeypatch.setattr(kernel_attention, "self_extend_attention", lambda *a: calls.append(1) or real(*a))
+    plain = extended(ROPES[rope], EXTENDS["self_extend"])
+    fast = use_kernels(extended(ROPES[rope], EXTENDS["self_extend"]))
+    idx = torch.randint(0, 97, (2, L))
+    positions = torch.arange(100, 100 + L)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fast(idx, position_ids=positions), plain(idx, position_ids=positions), atol=1e-5, rtol=0
+        )
+        assert calls, "the blocked kernel did not run"
+        outputs = []
+        for model in (plain, fast):
+            cache = KVCache.for_model(model, 2, L, seq_len=100 + L)
+            prefill = L - 4  # uneven chunks, then one token at a time
+            out = [
+                model(
+                    idx[:, s : min(s + 17, prefill)],
+                    position_ids=positions[s : min(s + 17, prefill)],
+                    kv_cache=cache,
+                )
+                for s in range(0, prefill, 17)
+            ]
+            out += [
+                model(idx[:, t : t + 1], position_ids=positions[t : t + 1], kv_cache=cache)
+                for t in range(L - 4, L)
+            ]
+            outputs.append(torch.cat(out, 1))
+        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
+        calls.clear()
+        cache = KVCache.for_model(fast, 1, L, seq_len=100 + L)
+        cache.key_mask = torch.arange(L)[None] >= 2  # left padding: the positions are not one run
+        fast(idx[:1], position_ids=positions, kv_cache=cache)
+        assert not calls
+
+
+def test_fused_token_losses_equal_the_plain_head():
+    """Scoring through the kernels' head (chunked log-sum-exp, no logits tensor) equals the plain
+    per-token cross-entropy (atol 1e-5, fp32), with and without the cache, and last_only gives the last
+    row of the full logits."""
+    plain = extended(ROPES["yarn"], ExtendConfig())
+    fast = use_kernels(extended(ROPES["yarn"], ExtendConfig()))
+    idx = torch.randint(0, 97, (3, 700))  # more rows than one chunk of the head
+    with torch.no_grad():
+        logits = plain(idx[:, :-1])
+        expected = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten(), reduction="none").view(3, -1)
+        for model in (plain, fast):
+            torch.testing.assert_close(
+                model(idx[:, :-1], targets=idx[:, 1:], reduction="none"), expected, atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(score_tokens(model, idx, chunk=256), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fast(idx[:, :-1], last_only=True), logits[:, -1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="reduction must be mean, or none without target_weights"):
+        plain(idx[:, :-1], targets=idx[:, 1:], reduction="sum")

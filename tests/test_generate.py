@@ -255,9 +255,9 @@ def record_positions(model: Llama, monkeypatch) -> list[torch.Tensor]:
     """Wrap model.forward so every position_ids tensor it receives is recorded."""
     seen, forward = [], model.forward
 
-    def spy(idx, position_ids=None, kv_cache=None):
+    def spy(idx, position_ids=None, kv_cache=None, **options):
         seen.append(position_ids.clone())
-        return forward(idx, position_ids=position_ids, kv_cache=kv_cache)
+        return forward(idx, position_ids=position_ids, kv_cache=kv_cache, **options)
 
     monkeypatch.setattr(model, "forward", spy)
     return seen

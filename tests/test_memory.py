@@ -200,7 +200,7 @@ def test_eval_refuses_a_length_before_loading_data(model_and_run, tmp_path, monk
         )
     with pytest.raises(
         MemoryBudgetError,
-        match=r"^Scoring 1,000,000,000 tokens in chunks of 1,024 needs .*; lower lengths or chunk\.$",
+        match=r"^Scoring 1,000,000,000 tokens in chunks of 4,096 needs .*; lower lengths or chunk\.$",
     ):
         eval_extrapolation.run(cfg)
     assert not (tmp_path / "out").exists()

@@ -51,3 +51,16 @@ def test_the_environment_forces_the_cpus_answer(monkeypatch, flags, forced, expe
         ValueError, match=r"^ROPE_LLAMA_FORCE_CPU_BF16='yes' is not allowed; set it to 1 or 0"
     ):
         precision.resolve_precision("auto", "cpu")
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_evaluation_dtype_auto_follows_training_precision(monkeypatch, native, expected):
+    """dtype=auto (evaluation, passkey): bfloat16 exactly where precision=auto trains in bf16."""
+    import torch
+
+    import rope_llama.core.precision as precision
+
+    monkeypatch.setenv(precision.FORCE_CPU_BF16, "1" if native else "0")
+    chosen, why = precision.inference_dtype("auto", torch.device("cpu"))
+    assert chosen == expected and why == precision.bf16_is_native("cpu")[1]
+    assert precision.inference_dtype("float32", torch.device("cpu")) == ("float32", "set explicitly")

@@ -40,6 +40,7 @@ from rope_llama.bench.peers import (
 )
 from rope_llama.bench.report import evaluate_targets, markdown
 from rope_llama.bench.rope_op import bench_rope
+from rope_llama.bench.scoring import bench_scoring
 from rope_llama.bench.threads import bench_threads
 from rope_llama.bench.timing import PRECISIONS, Progress, compute_dtype, matmul_peak
 from rope_llama.bench.training import bench_train, resolve_train_precisions, time_to_quality, train_dtypes
@@ -81,7 +82,8 @@ DEFAULTS = dict(
     ttq_thresholds=[2.10, 2.02],  # held-out val bpc of the default job
     threads=None,
     shared_cores=True,  # CPU: decode and scoring with 1 thread and one per core, quiet and beside a training job
-    score_len=1024,  # tokens scored per call in that section
+    score_lengths=[1024, 4096],  # scoring section: window lengths (the threads section scores the shortest)
+    score_chunk=4096,  # tokens per forward of our scoring (configs/eval.yaml's chunk)
     quick=False,
     out="bench.json",
     seed=0,
@@ -96,7 +98,8 @@ QUICK = dict(  # quick=true: a smoke run of every section in seconds (numbers ar
     contexts=[16, 64],
     extend_context=96,  # past the default window (64): the merged attention runs
     latency_steps=3,
-    score_len=32,
+    score_lengths=[32, 96],
+    score_chunk=64,
     rope_shape=[2, 2, 64, 16],
     matmul_n=256,
     repeats=2,
@@ -207,7 +210,7 @@ def main(argv: list[str]) -> dict:
         for c in ((False, True) if args["compile"] else (False,))
     ]
     shared_cores = bool(args["shared_cores"]) and device.type == "cpu"
-    progress = Progress(5 + len(train_runs) + bool(args["ttq"]) + shared_cores)
+    progress = Progress(6 + len(train_runs) + bool(args["ttq"]) + shared_cores)
     default_cfg = model_config(args["shapes"][0], args["vocab"], args["seq_len"])
     progress("parity of the peers' logits and the matmul peak")
     parity_models = build_models(default_cfg, model_peers, device, 64, 0)
@@ -223,6 +226,8 @@ def main(argv: list[str]) -> dict:
     progress(f"decode latency at contexts {list(args['contexts'])}")
     results["decode_latency"] = bench_decode_latency(default_cfg, args, device, llama_cpp_dir)
     gguf_workdir.cleanup()
+    progress(f"scoring {list(args['score_lengths'])} tokens, ours and transformers; Self-Extend on vs off")
+    results["scoring"] = bench_scoring(default_cfg, args, model_peers, device)
     progress(f"Self-Extend on vs off at context {args['extend_context']}")
     results["self_extend"] = bench_self_extend(default_cfg, args, device)
     if shared_cores:

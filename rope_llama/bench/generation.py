@@ -16,6 +16,7 @@ import torch
 from rope_llama.bench.peers import LLAMA_CPP, LlamaCppTwin, build_models, write_llama_cpp_gguf
 from rope_llama.bench.timing import alternate, compute_dtype, ratios, sync
 from rope_llama.inference.generation import GREEDY, CompiledStep, EagerStep, generate
+from rope_llama.kernels import use_kernels
 from rope_llama.kernels.cpu_decode import NativeStep
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import ExtendConfig
@@ -192,9 +193,9 @@ def bench_self_extend(cfg: ModelConfig, args: dict, device) -> dict:
     ctx, steps = args["extend_context"], args["latency_steps"]
     dtype = compute_dtype(args, device)
     torch.manual_seed(args["seed"])
-    off = Llama(cfg).to(device).eval().to(dtype)
+    off = use_kernels(Llama(cfg)).to(device).eval().to(dtype)  # as inference loads models
     extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
-    on = Llama(replace(cfg, extend=extend)).to(device).eval().to(dtype)
+    on = use_kernels(Llama(replace(cfg, extend=extend))).to(device).eval().to(dtype)
     on.load_state_dict(off.state_dict())
     models = {"off": off, "on": on}
     prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)

@@ -24,6 +24,14 @@ TARGETS = [  # (name, description, comparison, threshold); re-set from measured 
     ("latency_longest_over_shortest", "decode latency at the longest context / the shortest", "<=", 2.2),
     ("rope_vs_transformers", "RoPE op (fwd + bwd, q and k) vs transformers apply_rotary_pos_emb", ">=", 1.5),
     ("train_mfu", "training MFU, default shape, eager, vs the measured matmul peak of its dtype", ">=", 0.55),
+    *[  # scoring: fp32 against fp32, and bf16 against bf16 where the device multiplies it natively
+        (f"score_{tag}{n}_vs_transformers", f"scoring {n:,} tokens, {what}, vs transformers + CE", ">=", 1.3)
+        for tag, what in (("", "fp32"), ("bf16_", "bf16"))
+        for n in (1024, 4096)
+    ],
+    ("prefill_vs_llama_cpp", "prefill tokens/s vs llama.cpp", ">=", 1.0),
+    ("prefill_vs_litgpt", "prefill tokens/s vs litgpt", ">=", 1.0),
+    ("self_extend_scoring", "scoring with Self-Extend / without, at the longest scoring length", ">=", 0.8),
 ]
 
 
@@ -32,6 +40,7 @@ def target_values(results: dict) -> dict:
     train = {(t["shape"], t["compile"], t["dtype"]): t for t in results["train"]}
     eager, compiled = train.get((default, False, dtype), {}), train.get((default, True, dtype), {})
     bf16 = train.get((default, False, "bfloat16"), {})
+    scoring = results.get("scoring", {})
     return {
         "train_eager_vs_transformers": eager.get("ratio", {}).get("transformers"),
         "train_compile_vs_transformers": compiled.get("ratio", {}).get("transformers"),
@@ -41,6 +50,16 @@ def target_values(results: dict) -> dict:
         "latency_longest_over_shortest": results["decode_latency"]["longest_over_shortest"],
         "rope_vs_transformers": results["rope"]["ratio"].get("transformers"),
         "train_mfu": eager.get("mfu"),
+        **{
+            f"score_{tag}{n}_vs_transformers": scoring.get("ratio", {})
+            .get(f"{dtype}_{n}", {})
+            .get("transformers")
+            for tag, dtype in (("", "float32"), ("bf16_", "bfloat16"))
+            for n in (1024, 4096)
+        },
+        "prefill_vs_llama_cpp": results["generate"]["ratio_prefill"].get("llama.cpp"),
+        "prefill_vs_litgpt": results["generate"]["ratio_prefill"].get("litgpt"),
+        "self_extend_scoring": scoring.get("self_extend", {}).get("on_over_off"),
     }
 
 
@@ -86,6 +105,8 @@ def markdown(results: dict) -> str:
         cells = [f"{1000 * s[ctx]:.2f}" for s in columns.values()]
         cells += [f"{r[ctx]:.2f}x" for r in ratios_by_context.values()]
         lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+    if "scoring" in results:
+        lines += ["", scoring_markdown(results["scoring"])]
     se = results["self_extend"]
     lines += [
         "",
@@ -117,7 +138,7 @@ def markdown(results: dict) -> str:
             f"{side} ({section.get('shape', '')}{' compiled' if section.get('compile') else ''})": e
             for side, e in section["errors"].items()
         }
-    errors |= results.get("threads", {}).get("errors", {})
+    errors |= results.get("threads", {}).get("errors", {}) | results.get("scoring", {}).get("errors", {})
     lines += [f"\nunavailable / failed: {name}: {why}" for name, why in errors.items()]
     return "\n".join(lines)
 
@@ -140,4 +161,26 @@ def threads_markdown(t: dict) -> str:
                 + " | ".join(cells)
                 + f" | {ratio_cell} | {t['auto_threads'][condition]} |"
             )
+    return "\n".join(lines)
+
+
+def scoring_markdown(r: dict) -> str:
+    """Scoring tokens/s per dtype and length, ours against transformers, and Self-Extend on / off."""
+    lines = ["| scoring (tok/s) | ours | transformers | ours / transformers |", "|---|---|---|---|"]
+    for key, rates in r["tokens_per_s"].items():
+        dtype, length = key.rsplit("_", 1)
+        ratio = r["ratio"][key].get("transformers")
+        lines.append(
+            f"| {int(length):,} tokens, {dtype} | {fmt(rates.get('ours'))} | {fmt(rates.get('transformers'))} | "
+            + ("-" if ratio is None else f"{ratio:.2f}x")
+            + " |"
+        )
+    se = r["self_extend"]
+    on_off = "-" if se["on_over_off"] is None else f"{se['on_over_off']:.2f}x"
+    lines += [
+        "",
+        f"| Self-Extend scoring (W={se['window']}, G={se['group']}), {se['length']:,} tokens | off | on | on / off |",
+        "|---|---|---|---|",
+        f"| tokens/s | {fmt(se['tokens_per_s'].get('off'))} | {fmt(se['tokens_per_s'].get('on'))} | {on_off} |",
+    ]
     return "\n".join(lines)

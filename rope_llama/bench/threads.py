@@ -40,13 +40,13 @@ def background_load(loaded: bool):
 
 @torch.inference_mode()
 def bench_threads(cfg: ModelConfig, args: dict) -> dict:
-    """tokens/s of eager decode, the C decode step and scoring (`score_tokens` of `score_len` tokens, the
-    evaluation's path) for 1 thread and one per core, quiet and loaded; plus auto's choice in each."""
+    """tokens/s of eager decode, the C decode step and scoring (`score_tokens`, the evaluation's path, of
+    the shortest `score_lengths`) for 1 thread and one per core, quiet and loaded; and auto's choice in each."""
     cores = len(usable_cores())
     counts = sorted({1, cores})
     torch.manual_seed(args["seed"])
     model = Llama(cfg).eval()
-    P, N, L = args["prompt_len"], args["new_tokens"], args["score_len"]
+    P, N, L = args["prompt_len"], args["new_tokens"], min(args["score_lengths"])
     prompt = torch.randint(cfg.vocab_size, (P,)).tolist()
     text = torch.randint(cfg.vocab_size, (L,))
     workloads = {  # name: (fn, tokens per call)

@@ -57,6 +57,15 @@ def bf16_is_native(accelerator: str) -> tuple[bool, str]:
     return precision == "bf16-mixed", reason
 
 
+def inference_dtype(name: str, device: torch.device) -> tuple[str, str]:
+    """(dtype name, reason) for an evaluation's `dtype`: `auto` is bfloat16 where `trainer.precision=auto`
+    would train in bf16 on `device` (its matmuls are native there), else float32 (the reference mode)."""
+    if name != AUTO:
+        return name, "set explicitly"
+    native, reason = bf16_is_native("cuda" if device.type == "cuda" else "cpu")
+    return ("bfloat16" if native else "float32"), reason
+
+
 def expand_auto(items: list[str], expansion: list[str]) -> list[str]:
     """`items` with each `auto` replaced by `expansion`, repeats dropped (first kept): the `auto` entry of
     the benchmarks' precision and recipe lists."""

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from rope_llama.core.memory import check_fits, forward_bytes, new_kv_cache
 from rope_llama.kernels.cpu_decode import NativeDecodeUnavailable, NativeStep
@@ -282,7 +281,7 @@ def generate(
     untimed = 1 if compile else 0  # the first compiled step builds the graph: timed on its own
 
     t0 = time.perf_counter()
-    logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache)[:, -1]
+    logits = model(idx, position_ids=position_ids[:, :n], kv_cache=cache, last_only=True)[:, -1]
     for step in range(max_new_tokens):
         next_token = sample(logits, sampling, generator)  # (B,)
         for row, token in enumerate(next_token.tolist()):  # the one host sync per step
@@ -498,10 +497,13 @@ def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int 
     losses = torch.empty(batch, n, device=device)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        logits = model(inputs[:, s:e], position_ids=position_ids[s:e], kv_cache=cache)  # (B, e - s, V)
-        losses[:, s:e] = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets[:, s:e].flatten(), reduction="none"
-        ).view(batch, e - s)
+        losses[:, s:e] = model(  # (B, e - s): the kernels' head never holds more than a chunk of logits
+            inputs[:, s:e],
+            position_ids=position_ids[s:e],
+            kv_cache=cache,
+            targets=targets[:, s:e],
+            reduction="none",
+        )
     return losses.view(*tokens.shape[:-1], n)
 
 

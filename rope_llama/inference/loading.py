@@ -12,8 +12,10 @@ import sys
 
 from rope_llama.core.checkpoint import LoadedCheckpoint, load_checkpoint
 from rope_llama.core.device import resolve_device, resolve_dtype
+from rope_llama.core.precision import inference_dtype
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GenerationError
+from rope_llama.kernels import use_kernels
 from rope_llama.model.extend import override_extend
 from rope_llama.model.rope import override_rope
 
@@ -25,10 +27,11 @@ def load_model(
     rope: dict | None = None,
     extend: dict | None = None,
 ) -> tuple[LoadedCheckpoint, Tokenizer]:
-    """Checkpoint (file or run directory) -> model on `device` in `dtype`, with `rope` (a configs/rope
+    """Checkpoint (file or run directory) -> model on `device` in `dtype` (`auto`: `inference_dtype`), with `rope` (a configs/rope
     group's values) replacing the checkpoint's RoPE scaling and `extend` (a configs/extend group's)
     its attention extension when given, + its tokenizer."""
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)  # before the (slow) load
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(inference_dtype(dtype, torch_device)[0])  # before the (slow) load
     loaded = load_checkpoint(ckpt)
     tokenizer = Tokenizer.from_file(str(loaded.tokenizer_file()))
     if tokenizer.vocab_size > loaded.config.vocab_size:
@@ -39,6 +42,9 @@ def load_model(
     new = own if rope is None else override_rope(own, rope, loaded.max_len)
     if new.base != own.base:
         print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
+    use_kernels(
+        loaded.model
+    )  # the fused scoring head and Self-Extend merge; the plain ops stay the reference
     loaded.model.to(device=torch_device, dtype=torch_dtype)
     loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
     if extend is not None:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
 from rope_llama.core.cli import build
+from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import (
     CKPT_METHOD,
@@ -95,12 +96,14 @@ def check_common(cfg: DictConfig) -> None:
     check_threads(cfg.threads)
 
 
-def use_threads(value, say: bool = True) -> None:
-    """Set torch's threads for `threads=<auto|N>` (core/threads.py), once every check passed (a refusal
-    stays one line), and say how many and why."""
-    choice = apply_threads(value)
-    if say:
-        print(f"threads: {choice.threads} ({choice.reason})", file=sys.stderr)
+def begin(cfg: DictConfig, ckpt: LoadedCheckpoint) -> None:
+    """Once every check passed (a refusal stays one line): set torch's threads for `threads=<auto|N>`
+    (core/threads.py) and say on stderr how the run computes: threads and dtype, each with its reason."""
+    choice = apply_threads(cfg.threads)
+    weight = ckpt.model.embed.weight
+    reason = inference_dtype(str(cfg.dtype), weight.device)[1]
+    dtype = str(weight.dtype).removeprefix("torch.")
+    print(f"threads: {choice.threads} ({choice.reason}); dtype: {dtype} ({reason})", file=sys.stderr)
 
 
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:

@@ -112,8 +112,37 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, targets, target_weights, chunk_rows, need_grad)
 
 
+@torch.no_grad()
+def linear_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = CHUNK_ROWS
+) -> torch.Tensor:
+    """Cross-entropy of each target, chunked over rows: `LMHead.token_losses` without the logits.
+
+    hidden: (..., C); weight: (V, C); targets: (...) ids in [0, V) -> (...) float32 (float64 for
+    float64 inputs). No gradient: scoring only reads the losses.
+    """
+    dtype = autocast_dtype(hidden)
+    acc = torch.promote_types(dtype, torch.float32)
+    rows, flat = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    losses = torch.empty(flat.shape, device=hidden.device, dtype=acc)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_all, w = rows.to(dtype), weight.to(dtype)
+        for start in range(0, flat.numel(), chunk_rows):
+            end = min(start + chunk_rows, flat.numel())
+            logits = (h_all[start:end] @ w.T).to(acc)  # (rows, V): one chunk at a time
+            picked = logits.gather(1, flat[start:end, None])[:, 0]
+            losses[start:end] = torch.logsumexp(logits, dim=-1) - picked
+    return losses.view(targets.shape)
+
+
 class KernelLMHead(LMHead):
-    """LMHead whose loss is `linear_cross_entropy`: same weight, same logits, no logits tensor."""
+    """LMHead whose loss is `linear_cross_entropy` and whose per-target losses (scoring) are
+    `linear_token_losses`: same weight, same values, no logits tensor."""
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad):
+            return super().token_losses(hidden, targets)  # a backward follows: the plain autograd path
+        return linear_token_losses(hidden, self.weight, targets)
 
     def loss(
         self, hidden: torch.Tensor, targets: torch.Tensor, target_weights: torch.Tensor | None = None

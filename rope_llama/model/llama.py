@@ -48,7 +48,11 @@ class PositionEncoding(NamedTuple):
     grouped:      self_extend: (query cos, query sin, key cos, key sin), each shaped like cos, the
                   rotations at the grouped positions; None when neither the cache nor the merge needs them.
     near:         self_extend when some query-key distance may reach the window: (B|1, 1, L, S) bool,
-                  True where the neighbour score is used (`neighbour_mask`); None = plain attention.
+                  True where the neighbour score is used (`neighbour_mask`); None when `window` is set
+                  or attention is plain.
+    window:       self_extend as `near`, when the positions are consecutive (every key at its slot plus
+                  one offset, rows alike, no padding, L > 1): the window W. The neighbour keys are then
+                  the W slots up to each query's own, so a blocked kernel needs no (L, S) mask.
     """
 
     cos: torch.Tensor
@@ -56,6 +60,14 @@ class PositionEncoding(NamedTuple):
     query_scale: torch.Tensor | None = None
     grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     near: torch.Tensor | None = None
+    window: int | None = None
+
+
+def consecutive(positions: torch.Tensor) -> bool:
+    """positions: (B|1, S) -> True when every row is the same run p, p + 1, ..., with S > 1 (a host sync)."""
+    if positions.shape[-1] < 2:
+        return False
+    return bool((positions.diff(dim=-1) == 1).all() and (positions == positions[:1]).all())
 
 
 class Attention(nn.Module):
@@ -84,7 +96,7 @@ class Attention(nn.Module):
         q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, L, D)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin, query_scale, grouped, near = encoding
+        cos, sin, query_scale, grouped, near, window = encoding
         q_rot, k_rot = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         if query_scale is not None:
             q_rot = q_rot * query_scale
@@ -92,13 +104,23 @@ class Attention(nn.Module):
         if kv_cache is not None:  # keys are cached after rotation (both rotations with Self-Extend)
             k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
         dropout_p = self.dropout if self.training else 0.0
-        if near is None:
+        if near is None and window is None:
             is_causal = mask is None and L > 1 and k_rot.shape[2] == L
             y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
         else:
             q_grouped = rope.rotate(q, grouped[0], grouped[1])
-            y = merged_attention(q_rot, k_rot, q_grouped, k_grouped, v, near, mask, dropout_p)
+            y = self.attend_merged(q_rot, k_rot, q_grouped, k_grouped, v, encoding, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+    def attend_merged(self, q, k, q_grouped, k_grouped, v, encoding, mask, dropout_p: float) -> torch.Tensor:
+        """Self-Extend attention (`merged_attention`): q, q_grouped (B, H, L, D), k, k_grouped, v
+        (B, KV, S, D) -> (B, H, L, D); which score a pair uses is `encoding.near` (or its window)."""
+        near = encoding.near
+        if near is None:  # consecutive positions: the queries fill the last L of the S slots
+            L, S = q.shape[2], k.shape[2]
+            slots = torch.arange(S, device=q.device)
+            near = neighbour_mask(slots[S - L :], slots, encoding.window)[None, None]
+        return merged_attention(q, k, q_grouped, k_grouped, v, near, mask, dropout_p)
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
         """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D)."""
@@ -144,6 +166,14 @@ class LMHead(nn.Linear):
         losses = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
         weights = target_weights.flatten().to(losses.dtype)
         return (losses * weights).sum() / weights.sum()
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of each target: hidden (..., C), targets (...) -> (...) float32 (float64 for
+        float64 weights), -log softmax(hidden @ W.T)[target]; what scoring reads instead of the logits."""
+        logits = self(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        losses = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+        return losses.view(targets.shape)
 
 
 class Block(nn.Module):
@@ -232,15 +262,22 @@ class Llama(nn.Module):
         kv_cache: KVCache | None = None,
         targets: torch.Tensor | None = None,
         target_weights: torch.Tensor | None = None,
+        reduction: str = "mean",
+        last_only: bool = False,
     ) -> torch.Tensor:
         """idx: (B, L) token ids -> logits (B, L, vocab), float32 unless autocast says otherwise.
 
         position_ids: None (0..L-1, or continuing after the cache's filled slots), (L,) or (B, L).
         kv_cache: if given, new keys/values go to its next slots and attention covers all filled ones.
         targets: (B, L) next-token ids; if given, returns the mean cross-entropy (float32 scalar)
-            instead of the logits (`LMHead.loss`).
-        target_weights: (B, L) per-target loss weights (with targets; None = all 1).
+            instead of the logits (`LMHead.loss`), or with reduction="none" each target's (B, L)
+            (`LMHead.token_losses`).
+        target_weights: (B, L) per-target loss weights (with targets and the mean; None = all 1).
+        last_only: logits (B, 1, vocab) of the last position only: a prefill that reads only the
+            next token skips the head's other L - 1 rows.
         """
+        if reduction not in ("mean", "none") or (reduction == "none" and target_weights is not None):
+            raise ValueError(f"reduction must be mean, or none without target_weights, got {reduction!r}.")
         B, L = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
         if kv_cache is not None:
@@ -259,9 +296,11 @@ class Llama(nn.Module):
         x = self.hidden_states(x, encoding, kv_cache, self._attention_mask(L, kv_cache, idx.device))
         if kv_cache is not None:
             kv_cache.advance(L)
+        if targets is not None and reduction == "none":
+            return self.lm_head.token_losses(x, targets)
         if targets is not None:
             return self.lm_head.loss(x, targets, target_weights)
-        return self.lm_head(x)
+        return self.lm_head(x[:, -1:] if last_only else x)
 
     def embed_tokens(self, idx: torch.Tensor, kv_cache: KVCache | SlotWrite | None = None) -> torch.Tensor:
         """idx: (B, L) ids -> (B, L, C) embeddings; with `mix_previous_tokens` = n, each plus
@@ -328,6 +367,10 @@ class Llama(nn.Module):
         )
         query_positions = position_ids if position_ids.ndim == 2 else position_ids[None]  # (B|1, L)
         key_positions = query_positions if kv_cache is None else kv_cache.record_positions(position_ids)
+        prefill = query_positions.shape[-1] > 1  # a decode step (also SlotWrite's) keeps the plain merge
+        padded = prefill and kv_cache is not None and kv_cache.key_mask is not None
+        if merge and prefill and not padded and consecutive(key_positions):
+            return PositionEncoding(cos, sin, query_scale, grouped, None, extend.window)
         near = neighbour_mask(query_positions, key_positions, extend.window)[:, None] if merge else None
         return PositionEncoding(cos, sin, query_scale, grouped, near)
 
