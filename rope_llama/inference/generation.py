@@ -265,7 +265,8 @@ def generate(
     device = model.embed.weight.device
     n, batch = max(map(len, prompts)), len(prompts)
     idx, position_ids, key_mask = left_pad(prompts, start_pos, capacity, device)
-    cache = new_kv_cache(model, batch, capacity, seq_len=start_pos + n + max_new_tokens)
+    # check_generation counted this cache: one reading of the free memory per call, not two
+    cache = KVCache.for_model(model, batch, capacity, seq_len=start_pos + n + max_new_tokens)
     cache.key_mask = key_mask
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -474,7 +475,8 @@ def check_scoring(
 
 @torch.inference_mode()
 def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int = 0) -> torch.Tensor:
-    """Teacher-forced per-token loss, streamed through the KV cache `chunk` tokens at a time.
+    """Teacher-forced per-token loss, streamed through the KV cache `chunk` tokens at a time (one
+    forward without a cache when the text fits in one chunk).
 
     tokens: (T,) ids, or (B, T) ids scored together (one cache of B rows, B x chunk tokens per
     forward); every row is placed at positions start_pos..start_pos+T-1.
@@ -492,6 +494,10 @@ def score_tokens(model: Llama, tokens: torch.Tensor, chunk: int, start_pos: int 
     device = model.embed.weight.device
     rows = rows.to(device)
     inputs, targets = rows[:, :-1], rows[:, 1:]
+    if n <= chunk:  # one forward: no cache to fill (and at start 0, the table's positions as they are)
+        position_ids = None if start_pos == 0 else torch.arange(start_pos, start_pos + n, device=device)
+        losses = model(inputs, position_ids=position_ids, targets=targets, reduction="none")
+        return losses.view(*tokens.shape[:-1], n)
     position_ids = torch.arange(start_pos, start_pos + n, device=device)
     cache = new_kv_cache(model, batch, n, seq_len=start_pos + n)
     losses = torch.empty(batch, n, device=device)
