@@ -4,6 +4,7 @@ progress lines, and the compute dtype of a run."""
 from __future__ import annotations
 
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -35,7 +36,9 @@ def sync(device: torch.device) -> None:
 
 def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device) -> tuple[dict, dict]:
     """({side: median seconds per call}, {side: error}). Calls interleave across sides so drifts
-    in machine load hit every side alike; a side that fails in warm-up is dropped with its error."""
+    in machine load hit every side alike, in a new seeded order each round: in a fixed order a side
+    always follows the same other one, and one that follows a side sharing its weights (ours after
+    ours_eager) finds them in the CPU's caches. A side that fails in warm-up is dropped with its error."""
     errors = {}
     for side, fn in list(fns.items()):
         try:
@@ -45,8 +48,9 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, d
             errors[side] = f"{type(e).__name__}: {error_sentence(e)}"
             del fns[side]
     times: dict[str, list[float]] = {side: [] for side in fns}
+    order = random.Random(0)
     for _ in range(repeats):
-        for side, fn in fns.items():
+        for side, fn in order.sample(list(fns.items()), len(fns)):
             sync(device)
             t0 = time.perf_counter()
             fn()
