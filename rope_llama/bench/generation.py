@@ -184,6 +184,17 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Pa
     )
 
 
+def self_extend_pair(cfg: ModelConfig, args: dict, device, dtype: torch.dtype) -> tuple[dict, ExtendConfig]:
+    """({"off": model, "on": the same weights with Self-Extend (default window and group)}, its config),
+    with the kernels installed, as inference loads models."""
+    torch.manual_seed(args["seed"])
+    off = use_kernels(Llama(cfg)).to(device).eval().to(dtype)
+    extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
+    on = use_kernels(Llama(replace(cfg, extend=extend))).to(device).eval().to(dtype)
+    on.load_state_dict(off.state_dict())
+    return {"off": off, "on": on}, extend
+
+
 @torch.inference_mode()
 def bench_self_extend(cfg: ModelConfig, args: dict, device) -> dict:
     """Our own cost of Self-Extend (model/extend.py, default window and group): prefill of
@@ -191,13 +202,7 @@ def bench_self_extend(cfg: ModelConfig, args: dict, device) -> dict:
     cached (the cache rewound before each, as in bench_decode_latency), with the extension off and on,
     same weights, eager and compiled decode (the C step does not implement it)."""
     ctx, steps = args["extend_context"], args["latency_steps"]
-    dtype = compute_dtype(args, device)
-    torch.manual_seed(args["seed"])
-    off = use_kernels(Llama(cfg)).to(device).eval().to(dtype)  # as inference loads models
-    extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
-    on = use_kernels(Llama(replace(cfg, extend=extend))).to(device).eval().to(dtype)
-    on.load_state_dict(off.state_dict())
-    models = {"off": off, "on": on}
+    models, extend = self_extend_pair(cfg, args, device, compute_dtype(args, device))
     prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)
     caches = {side: KVCache.for_model(m, 1, ctx + 1, seq_len=ctx + 1) for side, m in models.items()}
 

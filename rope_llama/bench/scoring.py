@@ -9,19 +9,15 @@ attention at the longest length, same weights, ours only.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
+from rope_llama.bench.generation import self_extend_pair
 from rope_llama.bench.peers import build_models
 from rope_llama.bench.timing import alternate, ratios
 from rope_llama.core.precision import bf16_is_native
 from rope_llama.inference.generation import score_tokens
-from rope_llama.kernels import use_kernels
 from rope_llama.model.config import ModelConfig
-from rope_llama.model.extend import ExtendConfig
-from rope_llama.model.llama import Llama
 
 
 def scoring_dtypes(device: torch.device) -> list[torch.dtype]:
@@ -60,16 +56,12 @@ def bench_scoring(cfg: ModelConfig, args: dict, peers: dict, device: torch.devic
             results["tokens_per_s"][f"{name}_{length}"] = rates
             results["ratio"][f"{name}_{length}"] = ratios(rates)
             results["errors"] |= {f"{side} {name} {length}": e for side, e in errors.items()}
-    torch.manual_seed(args["seed"])
-    plain = use_kernels(Llama(cfg)).eval().to(device)
-    extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
-    extended = use_kernels(Llama(replace(cfg, extend=extend))).eval().to(device)
-    extended.load_state_dict(plain.state_dict())
+    models, extend = self_extend_pair(cfg, args, device, torch.float32)
     tokens = torch.randint(cfg.vocab_size, (1, longest + 1), device=device)
     seconds, errors = alternate(
         {
-            "off": lambda: score_tokens(plain, tokens, chunk),
-            "on": lambda: score_tokens(extended, tokens, chunk),
+            "off": lambda: score_tokens(models["off"], tokens, chunk),
+            "on": lambda: score_tokens(models["on"], tokens, chunk),
         },
         args["repeats"],
         1,

@@ -29,7 +29,7 @@ def check_threads(value) -> None:
 
 def threads_for(cores: int, busy: float) -> int:
     """The cores left when `busy` of `cores` are taken by other work (rounded to whole cores), at least 1."""
-    return max(1, min(cores, cores - round(busy)))
+    return max(1, cores - round(busy))
 
 
 def usable_cores() -> list[int]:

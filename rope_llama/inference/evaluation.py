@@ -275,9 +275,8 @@ def answer_and_rank(
         seq_len=max(answered_length(len(p), row, max_new_tokens) for p, row in zip(prompts, candidates)),
     )
     cache.key_mask = key_mask
-    last = model(
-        idx, position_ids=position_ids[:, :n], kv_cache=cache, last_only=True
-    )  # (B, 1, V) after each prompt
+    # (B, 1, V): the logits after each prompt, the only ones read
+    last = model(idx, position_ids=position_ids[:, :n], kv_cache=cache, last_only=True)
     answers, step, logits = [], EagerStep(model, cache, position_ids), last[:, -1]
     for i in range(max_new_tokens):
         answers.append(sample(logits, GREEDY))  # (B,)

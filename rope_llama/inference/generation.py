@@ -300,7 +300,8 @@ def generate(
             t1 = time.perf_counter()
         if not any(active) or step == max_new_tokens - 1:
             break
-        one_token = one_token or step_class(model, cache, position_ids)
+        if one_token is None:
+            one_token = step_class(model, cache, position_ids)
         logits = one_token(next_token[:, None])
     t2 = time.perf_counter()
     decode_steps = max(step - untimed, 0)

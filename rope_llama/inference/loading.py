@@ -27,9 +27,9 @@ def load_model(
     rope: dict | None = None,
     extend: dict | None = None,
 ) -> tuple[LoadedCheckpoint, Tokenizer]:
-    """Checkpoint (file or run directory) -> model on `device` in `dtype` (`auto`: `inference_dtype`), with `rope` (a configs/rope
-    group's values) replacing the checkpoint's RoPE scaling and `extend` (a configs/extend group's)
-    its attention extension when given, + its tokenizer."""
+    """Checkpoint (file or run directory) -> model on `device` in `dtype` (`auto`: `inference_dtype`),
+    with `rope` (a configs/rope group's values) replacing the checkpoint's RoPE scaling and `extend`
+    (a configs/extend group's) its attention extension when given, + its tokenizer."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(inference_dtype(dtype, torch_device)[0])  # before the (slow) load
     loaded = load_checkpoint(ckpt)
@@ -42,9 +42,8 @@ def load_model(
     new = own if rope is None else override_rope(own, rope, loaded.max_len)
     if new.base != own.base:
         print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
-    use_kernels(
-        loaded.model
-    )  # the fused scoring head and Self-Extend merge; the plain ops stay the reference
+    # the fused scoring head and Self-Extend merge; model/'s plain ops stay the reference
+    use_kernels(loaded.model)
     loaded.model.to(device=torch_device, dtype=torch_dtype)
     loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
     if extend is not None:

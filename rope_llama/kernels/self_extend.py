@@ -32,15 +32,10 @@ def attention_with_lse(
 
     q: (B, H, M, D); k, v: (B, KV, N, D), H a multiple of KV; mask: None or (M, N) additive, q's dtype;
     causal: row i sees keys 0..i (top-left aligned, as SDPA's is_causal).
-    Returns (B, H, M, D) in q's dtype and (B, H, M) float32. A row with no key allowed has lse -inf.
+    Returns (B, H, M, D) in q's dtype and (B, H, M) float32. Every row must see a key: the kernel
+    writes lse 0, not -inf, for a row that sees none (the band rows always see their own slot).
     """
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask
-    )
-    if mask is not None:
-        empty = torch.isinf(mask).all(-1)  # (M,): the kernel writes lse 0 for a row that sees no key
-        lse = lse.masked_fill(empty, -math.inf)
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
