@@ -47,12 +47,16 @@ from rope_llama.inference.options import (
 from rope_llama.inference.reporting import miss_column, miss_shares, plot_vs_length
 from rope_llama.inference.retrieval import (
     GREEDY_MISSES,
+    HELDOUT,
+    HELDOUT_TASKS,
     TASKS,
     RetrievalPrompt,
     answer_correct,
     build_prompt,
     check_task_options,
+    expand_tasks,
     greedy_miss,
+    pooled_heldout,
     random_keys,
 )
 from rope_llama.inference.stats import wilson_interval
@@ -171,10 +175,14 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
 
 def task_options(cfg: DictConfig) -> dict[str, dict]:
     """{task: its options from `task_options`} for the tasks to run, checked before the model loads."""
-    tasks = option_list(cfg, "tasks", "[passkey,multikey]")
+    tasks = expand_tasks(option_list(cfg, "tasks", "[passkey,heldout]"))
     if len(set(tasks)) < len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}.")
-    options = {t: dict(cfg.task_options.get(t) or {}) if t in TASKS else {} for t in tasks}
+    given = {t: dict(cfg.task_options.get(t) or {}) for t in cfg.task_options or {}}
+    options = {
+        t: given.get(HELDOUT, {}) if t in HELDOUT_TASKS else {} for t in tasks
+    }  # `heldout` sets every family's
+    options |= {t: given[t] for t in tasks if t in given}
     for task, opts in options.items():
         check_task_options(task, **opts)
     return options
@@ -260,13 +268,14 @@ def run(cfg: DictConfig) -> list[dict]:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    cells_table = accuracy_table(trials, ("task", "method", "length", "depth", "factor"))
-    by_length = accuracy_table(trials, ("task", "method", "length", "factor"))
+    pooled = trials + pooled_heldout(trials)  # the held-out families together: the headline
+    cells_table = accuracy_table(pooled, ("task", "method", "length", "depth", "factor"))
+    by_length = accuracy_table(pooled, ("task", "method", "length", "factor"))
     write_csv(out / "trials.csv", trials)
     write_csv(out / "passkey.csv", cells_table)
     write_csv(out / "accuracy.csv", by_length)
     chance = 1 / cfg.candidates
-    for task in tasks:
+    for task in [*tasks, HELDOUT] if set(HELDOUT_TASKS) & set(tasks) else tasks:
         plot_vs_length([r for r in by_length if r["task"] == task], task, out / f"{task}_vs_length.png")
         for method in methods:
             cell_rows = [r for r in cells_table if r["task"] == task and r["method"] == method]
@@ -279,6 +288,12 @@ def run(cfg: DictConfig) -> list[dict]:
                 f"(misses: {misses}), "
                 f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells, "
                 f"first-token margin {np.mean([r['first_margin_mean'] for r in cell_rows]):+.2f} nats"
+            )
+    for row in by_length:
+        if row["task"] == HELDOUT:
+            print(
+                f"headline (held-out families pooled) {row['method']:>12} at {row['length']}: greedy "
+                f"{row['greedy_acc']:.0%} [{row['greedy_low']:.0%}, {row['greedy_high']:.0%}] of {row['trials']} prompts"
             )
     print(
         f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit answer). "

@@ -50,7 +50,7 @@ from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.core.threads import check_threads
 from rope_llama.inference.options import check_lengths, write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
-from rope_llama.inference.retrieval import GREEDY_MISSES, TASKS, greedy_miss
+from rope_llama.inference.retrieval import GREEDY_MISSES, HELDOUT, TASKS, greedy_miss, pooled_heldout
 from rope_llama.inference.stats import pairwise_markdown, pairwise_table, wilson_interval
 
 matplotlib.use("Agg")  # files only, no display
@@ -84,7 +84,8 @@ class StudyConfig:
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
     max_windows: int = 4
     retrieval: bool = True
-    retrieval_tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    # retrieval suite tasks (scripts/passkey.py): heldout = the held-out wording families, pooled as the headline
+    retrieval_tasks: list[str] = field(default_factory=lambda: ["passkey", HELDOUT])
     retrieval_lengths: list[int] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
     threads: Any = (
@@ -304,7 +305,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     for t in base_only:
         base_trials[t["task"], t["length"]].append(t)
     metrics = RETRIEVAL_METRICS + ((("margin", MARGIN_COLUMN),) if has_margin else ())
-    for task in dict.fromkeys(r["task"] for r in accuracy):
+    for task in sorted(dict.fromkeys(r["task"] for r in accuracy), key=headline_first):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
         for name, column in metrics:
@@ -352,6 +353,11 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                     f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}"
                 )
     return accuracy, paired, "\n".join(text) + "\n"
+
+
+def headline_first(task: str) -> int:
+    """Table order: the held-out families pooled (the headline), the passkey beside it, then the rest."""
+    return {HELDOUT: 0, "passkey": 1}.get(task, 2)
 
 
 def table_head(lengths: list[int]) -> list[str]:
@@ -415,8 +421,8 @@ def check_config(cfg: StudyConfig) -> None:
         raise ValueError(f"base_ckpt reuses one base model, so it needs seeds=1, got seeds={cfg.seeds}.")
     if not cfg.corpora:
         raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
-    if unknown := [t for t in cfg.retrieval_tasks if t not in TASKS]:
-        raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {list(TASKS)}.")
+    if unknown := [t for t in cfg.retrieval_tasks if t not in (*TASKS, HELDOUT)]:
+        raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {[*TASKS, HELDOUT]}.")
     if isinstance(cfg.finetune_seeds, bool) or not (
         isinstance(cfg.finetune_seeds, int) and 0 <= cfg.finetune_seeds <= len(seeds)
     ):
@@ -595,7 +601,7 @@ def summarise(
             if (out / "retrieval" / m / "trials.csv").exists()
             for t in read_csv(out / "retrieval" / m / "trials.csv", **columns[m])
         ]
-        accuracy, paired_retrieval, md = retrieval_tables(trials)
+        accuracy, paired_retrieval, md = retrieval_tables(trials + pooled_heldout(trials))
         write_csv(out / "retrieval.csv", accuracy)
         if paired_retrieval:  # empty when the base models ran a single retrieval method
             write_csv(out / "paired_retrieval.csv", paired_retrieval)

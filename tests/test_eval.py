@@ -32,7 +32,8 @@ from rope_llama.inference.evaluation import (
 )
 from rope_llama.inference.generation import GREEDY, check_scoring, generate, score_tokens
 from rope_llama.inference.options import datamodule_for, method_ropes
-from rope_llama.inference.retrieval import GREEDY_MISSES, build_prompt, first_integer
+from rope_llama.inference.retrieval import GREEDY_MISSES, HELDOUT_TASKS, build_prompt, first_integer
+from rope_llama.inference.stats import wilson_interval
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
@@ -414,7 +415,7 @@ def test_passkey_results_equal_with_and_without_batching(run_dir, tmp_path):
     for batch_tokens in (1, 100_000):
         out = tmp_path / str(batch_tokens)
         overrides = ("lengths=[200,260]", "depths=[0,1]", "trials=3", "methods=[none,dynamic_ntk,yarn,llama3+self_extend]",
-                     "extend_options.window=16", "extend_options.group=4")  # fmt: skip
+                     "extend_options.window=16", "extend_options.group=4", "tasks=[passkey]")  # fmt: skip
         passkey.run(compose_script("passkey", run_dir, out, *overrides, f"batch_tokens={batch_tokens}"))
         with open(out / "trials.csv") as f:
             results[batch_tokens] = list(csv.DictReader(f))
@@ -454,6 +455,26 @@ def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, ca
     for name in ("passkey_yarn", "multikey_none", "passkey_vs_length", "multikey_vs_length"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Chance: ranking 10%" in capsys.readouterr().out
+
+
+def test_heldout_families_are_scored_apart_and_pooled_as_the_headline(run_dir, tmp_path, capsys):
+    cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[400]", "depths=[0,1]", "trials=2",
+                         "methods=[none]", "task_options.heldout.facts=2")  # fmt: skip
+    passkey.run(cfg)  # the default tasks: passkey and heldout
+    with open(tmp_path / "trials.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert {t["task"] for t in trials} == {"passkey", *HELDOUT_TASKS} and len(trials) == 5 * 2 * 2
+    with open(tmp_path / "accuracy.csv") as f:
+        rows = {r["task"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"passkey", "heldout", *HELDOUT_TASKS} and rows["heldout"]["trials"] == "16"
+    families = [float(rows[t]["greedy_acc"]) for t in HELDOUT_TASKS]
+    assert float(rows["heldout"]["greedy_acc"]) == pytest.approx(np.mean(families))  # equal trials: the mean
+    low, high = wilson_interval(round(16 * np.mean(families)), 16)
+    assert float(rows["heldout"]["greedy_low"]) == pytest.approx(low)
+    assert float(rows["heldout"]["greedy_high"]) == pytest.approx(high)
+    out = capsys.readouterr().out
+    assert "headline (held-out families pooled)         none at 400: greedy" in out
+    assert (tmp_path / "heldout_vs_length.png").exists() and (tmp_path / "heldout_dialogue_none.png").exists()
 
 
 def test_suite_prompts_do_not_depend_on_the_other_tasks(run_dir, tmp_path):

@@ -2,13 +2,16 @@
 
 import glob
 import re
+from difflib import SequenceMatcher
 
 import numpy as np
 import pytest
 
+from rope_llama.data.templates import HELD_OUT
 from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
 from rope_llama.inference.retrieval import (
     FILLER,
+    HELDOUT_TASKS,
     INTRO,
     MULTIKEY_NEEDLE,
     NAMES,
@@ -54,7 +57,7 @@ def test_lengths_are_hit(tok, task):
         assert p.tokens[0] == tok.bos_id and p.task == task
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ("passkey", "multikey", "vartrack"))
 def test_depth_is_realised(tok, task):
     for length, depth, p in prompts(tok, task):
         text = tok.decode(p.tokens)
@@ -71,6 +74,38 @@ def test_depth_is_realised(tok, task):
             assert where == intro_end
     ordered = [p.needle_start for _, _, p in prompts(tok, task, lengths=(2048,))]
     assert ordered == sorted(ordered)  # deeper asked needles sit later
+
+
+@pytest.mark.parametrize("task", HELDOUT_TASKS)
+def test_heldout_prompts_state_the_answer_once_in_their_familys_wording_at_the_depth(tok, task):
+    family = task.removeprefix("heldout_")
+    for length, depth, p in prompts(tok, task):
+        text = tok.decode(p.tokens)
+        assert abs(p.depth - depth) <= (0.05 if length == 512 else 0.03)
+        assert text.count(str(p.answer)) == 1 and text.startswith("<|bos|>" + INTRO)
+        needle = tok.decode(p.tokens[p.needle_start :]).lstrip("\n").split("\n")
+        spoken = re.fullmatch(r"[A-Z]+:", needle[0]) is not None  # a dialogue needle opens with its speaker
+        assert spoken == (family == "dialogue") or family in ("prose", "things")
+        rest = "\n".join(needle[1:] if spoken else needle)
+        statement = rest[: rest.index(".", rest.index(str(p.answer))) + 1]  # up to the sentence end after it
+        assert "\n" not in statement.strip()
+        question = text[
+            text.rindex(statement) + len(statement) :
+        ]  # after the needle: filler, then the question
+        common = SequenceMatcher(
+            None, statement.lower(), question.lower(), autojunk=False
+        ).find_longest_match()
+        assert common.size >= len("the pin of"), (statement, question)  # it asks about the stated tag
+        assert not text.endswith((str(p.answer), "."))  # the answer comes next
+        if family == "prose":
+            assert "What is" in question and "\n" not in text
+        if family == "dialogue":
+            assert re.search(r"\n\n[A-Z]+:\nDo you know [^\n]+\?\n[A-Z]+:\n[^\n]+$", text)
+            assert needle[0].endswith(":") and needle[0] in text[-40:]  # the fact's speaker answers
+        if family == "list":
+            assert statement.startswith("- ") and "was set to" in statement
+        if family == "things":
+            assert any(thing in statement for thing in HELD_OUT["things"])
 
 
 def test_passkey_uses_the_passkey_wording_and_its_key_only_in_the_needle(tok):

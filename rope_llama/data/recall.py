@@ -53,7 +53,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from rope_llama.data import DataError
+from rope_llama.data import DataError, templates
 from rope_llama.data.tokenizer import Tokenizer
 
 ADJECTIVES = (
@@ -160,6 +160,10 @@ class RecallConfig:
     # direction, which the bases that never copy keep (reports/2026-11-27-recall-rounds.md, twenty-first and twenty-second rounds).
     # 0 draws nothing.
     counting_share: float = 0.0
+    # Share of recall windows worded by a template drawn from the generated training space (data/templates.py:
+    # thing words, tag patterns, statements, layouts including the plays' dialogue, questions, answer leads;
+    # numbers of 3-7 digits) instead of TEMPLATES; the held-out families there are never drawn. 0 draws nothing.
+    varied_share: float = 0.0
 
     @property
     def weighted(self) -> bool:
@@ -211,6 +215,7 @@ class RecallWindow:
     unstated: int | None = None  # index into `facts` of the asked fact never stated (unstated_share)
     filler: tuple[tuple[str, str], ...] = ()  # (subject, word value) of the filler block's statements
     filler_repeats: int = 0  # times the filler block is stated
+    stops: bool = False  # each answer is followed by a stop token that weighs as the answer (varied windows)
 
 
 class RecallMixer:
@@ -223,7 +228,11 @@ class RecallMixer:
         texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
         self.ends_line = np.array([t.endswith("\n") for t in texts])
         self.ends_sentence = np.array([t.rstrip().endswith((".", "!", "?", ";", ":")) for t in texts])
-        self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - EVAL_WORDS)
+        never = EVAL_WORDS | set(
+            templates.HELD_OUT["things"]
+        )  # suite words, held-out things: never tag words
+        self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - never)
+        self.templates = templates.training_templates() if config.varied_share > 0 else []
         words_needed = config.word_tag_share > 0 or config.filler_share > 0
         if words_needed and len(self.tag_words) < 2 * config.max_pairs:
             raise DataError(
@@ -256,8 +265,37 @@ class RecallMixer:
             for q in QUESTIONS
             for t in tags
         ]
+        if self.templates:
+            statements, questions = self.varied_texts()
+            facts, queries = facts + statements, queries + questions
         longest = [max(map(len, self.tok.encode_batch(texts))) for texts in (facts, queries)]
         return self.config.max_pairs * longest[0] + self.config.queries * longest[1]
+
+    def varied_texts(self) -> tuple[list[str], list[str]]:
+        """(statements, questions with their answers) of every training template's wording, each with its tag
+        pattern's longest tag (in tokens; a word tag's one-token word is no longer than a qualifier) and the
+        longest number: what `longest_synthetic` bounds."""
+        longest_tags = {}
+        for pattern, fmt in templates.TAGS.items():
+            fills = {"adjective": templates.QUALIFIERS, "of": templates.NOUNS, "owner": templates.NAMES}[
+                pattern
+            ]
+            candidates = [
+                fmt.format(qualifier=f, noun=f, name=f, thing=t) for f in fills for t in templates.THINGS
+            ]
+            lengths = list(map(len, self.tok.encode_batch(candidates)))
+            longest_tags[pattern] = candidates[int(np.argmax(lengths))]
+        value = 10 ** templates.DIGITS[1] - 1
+        speaker = max(templates.SPEAKERS, key=lambda name: len(self.tok.encode(name)))
+        rendered = {
+            (t.tag, t.statement, t.layout, t.question, t.lead): templates.render(
+                t, longest_tags[t.tag], value, (speaker, speaker)
+            )
+            for t in self.templates
+        }
+        return [r.statement for r in rendered.values()], [
+            "." + r.question + r.answer for r in rendered.values()
+        ]
 
     def progress(self, batch_index: int) -> float:
         """Curriculum position in [0, 1] of training batch `batch_index` (1 = full difficulty)."""
@@ -279,9 +317,9 @@ class RecallMixer:
             window = self.window(rng, windows[row], progress)
             windows[row] = window.tokens
             for (start, end), fact in zip(window.answers, window.asked):  # token t is the target at t - 1
-                weights[row, start - 1 : end - 1] = self.config.answer_weight
+                weights[row, start - 1 : end - 1 + window.stops] = self.config.answer_weight
                 if fact == window.unstated:  # its digits cannot be known: only the leading space is trained
-                    weights[row, start : end - 1] = 0.0
+                    weights[row, start : end - 1 + window.stops] = 0.0  # and where it ends
         copy_rows = (draws >= self.config.fraction) & (rng.random(len(windows)) < self.config.copy_fraction)
         for row in np.flatnonzero(copy_rows):
             windows[row] = self.copy_window(rng, windows[row])
@@ -342,6 +380,8 @@ class RecallMixer:
     def window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float = 1.0) -> RecallWindow:
         """One recall window as long as `haystack` (n,), built from its leading tokens."""
         cfg, n_total = self.config, len(haystack)
+        if cfg.varied_share > 0 and rng.random() < cfg.varied_share:  # no draw when off: same windows
+            return self.varied_window(rng, haystack, progress)
         most = cfg.min_pairs + round(progress * (cfg.max_pairs - cfg.min_pairs))
         n_facts = int(rng.integers(cfg.min_pairs, most + 1))
         shared_noun = cfg.shared_noun_share > 0 and rng.random() < cfg.shared_noun_share  # off: no draw
@@ -387,27 +427,14 @@ class RecallMixer:
             )
 
         hay = self.flatten(haystack, n_hay) if flat else np.asarray(haystack[:n_hay], dtype=np.int64)
-        lowest = int(START_FRACTION * (1 - progress) * n_hay)  # curriculum: short distances first
-        starts = np.arange(lowest, n_hay + 1)
         boundary = self.ends_sentence if flat else self.ends_line  # facts start a line, or follow a sentence
-        fact_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
-        candidates = fact_starts if len(fact_starts) else starts
-        at = np.sort(rng.choice(candidates, size=len(statements)))  # positions in `hay`, facts in drawn order
-        if rng.random() < cfg.far_share * progress:
-            early = candidates[candidates <= FAR_SPAN * n_hay]
-            at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
+        at, candidates = self.fact_positions(rng, hay, boundary, len(statements), progress)
         inserts = list(zip(at.tolist(), statements))
         if n_repeats:  # at line starts (sentence ends) anywhere, as the filler repeats throughout its prompt
             inserts += [(int(p), decoy_tokens) for p in rng.choice(candidates, size=n_repeats)]
         if filler_repeats:  # likewise
             inserts += [(int(p), filler_tokens) for p in rng.choice(candidates, size=filler_repeats)]
-        inserts.sort(key=lambda item: item[0])  # stable: facts stay in drawn order
-        pieces, prev = [], 0
-        for pos, statement in inserts:
-            pieces += [hay[prev:pos], np.asarray(statement, dtype=np.int64)]
-            prev = pos
-        pieces += [hay[prev:], np.asarray(tail, dtype=np.int64)]
-        tokens = np.concatenate(pieces)
+        tokens = splice(hay, inserts, tail)
         offset = n_total - len(tail)
         return RecallWindow(
             tokens,
@@ -419,6 +446,62 @@ class RecallMixer:
             filler,
             filler_repeats,
         )
+
+    def varied_window(self, rng: np.random.Generator, haystack: np.ndarray, progress: float) -> RecallWindow:
+        """One recall window as long as `haystack` (n,) in a template drawn from `templates.training_templates`:
+        its facts share the template (tags distinct, half of the windows also share the thing word), each
+        question follows the previous answer, and `unstated_share` and `word_tag_share` act as in `window`."""
+        cfg, n_total = self.config, len(haystack)
+        template = self.templates[rng.integers(len(self.templates))]
+        most = cfg.min_pairs + round(progress * (cfg.max_pairs - cfg.min_pairs))
+        n_facts = int(rng.integers(cfg.min_pairs, most + 1))
+        word_tags = (
+            template.tag == "adjective" and cfg.word_tag_share > 0 and rng.random() < cfg.word_tag_share
+        )
+        tags = templates.tags(template, rng, n_facts, rng.random() < 0.5, self.tag_words if word_tags else ())
+        values: list[int] = []
+        while len(values) < n_facts:
+            values += [v] if (v := templates.number(rng)) not in values else []
+        speakers = tuple(templates.SPEAKERS[i] for i in rng.choice(len(templates.SPEAKERS), 2, replace=False))
+        rendered = [templates.render(template, t, v, speakers) for t, v in zip(tags, values)]
+        asked = [int(i) for i in rng.choice(n_facts, size=cfg.queries, replace=False)]
+        unstated = None
+        if cfg.unstated_share > 0 and rng.random() < cfg.unstated_share * progress:
+            unstated = int(rng.choice(asked))
+        statements = self.tok.encode_batch([r.statement for i, r in enumerate(rendered) if i != unstated])
+        tail, answers = [], []
+        for i in asked:  # each answer ends with STOP, trained with the answer's weight (`mix`)
+            tail += self.tok.encode(rendered[i].question)
+            answers.append((len(tail), len(tail) + len(answer := self.tok.encode(rendered[i].answer))))
+            tail += answer + self.tok.encode(templates.STOP)
+        n_hay = n_total - sum(map(len, statements)) - len(tail)
+        if n_hay < 1:  # only for a haystack shorter than the window_len checked in __init__
+            raise DataError(
+                f"a haystack of {n_total} tokens cannot hold this recall window's {n_total - n_hay}."
+            )
+        hay = np.asarray(haystack[:n_hay], dtype=np.int64)
+        boundary = self.ends_sentence if template.layout == "prose" else self.ends_line
+        at, _ = self.fact_positions(rng, hay, boundary, len(statements), progress)
+        tokens = splice(hay, list(zip(at.tolist(), statements)), tail)
+        spans = [(n_total - len(tail) + a, n_total - len(tail) + b) for a, b in answers]
+        return RecallWindow(tokens, list(zip(tags, values)), asked, spans, [], unstated, stops=True)
+
+    def fact_positions(
+        self, rng: np.random.Generator, hay: np.ndarray, boundary: np.ndarray, n: int, progress: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted positions in `hay` for `n` facts, every allowed position): after a token `boundary` marks
+        (a line end, or a sentence end) or at the start; the curriculum keeps early facts near the end, and
+        `far_share` of the windows put one in the haystack's first tenth."""
+        n_hay = len(hay)
+        lowest = int(START_FRACTION * (1 - progress) * n_hay)  # curriculum: short distances first
+        starts = np.arange(lowest, n_hay + 1)
+        fact_starts = starts[(starts == 0) | boundary[hay[np.maximum(starts - 1, 0)]]]
+        candidates = fact_starts if len(fact_starts) else starts
+        at = np.sort(rng.choice(candidates, size=n))  # facts in drawn order
+        if rng.random() < self.config.far_share * progress:
+            early = candidates[candidates <= FAR_SPAN * n_hay]
+            at = np.sort(np.append(at[1:], rng.choice(early) if len(early) else 0))
+        return at, candidates
 
     def decoy(
         self,
@@ -461,6 +544,16 @@ class RecallMixer:
         block = tuple((subject, words[i]) for subject, i in zip(subjects, picks[:n]))
         statement = self.tok.encode(FORMS[flat].format(" ".join(f"The {s} is {v}." for s, v in block)))
         return block, statement, capped_repeats(rng, len(statement), free)
+
+
+def splice(hay: np.ndarray, inserts: list[tuple[int, list[int]]], tail: list[int]) -> np.ndarray:
+    """`hay` (n,) with each (position, tokens) of `inserts` spliced in before that position (equal positions
+    keep their list order), then `tail`."""
+    pieces, prev = [], 0
+    for pos, statement in sorted(inserts, key=lambda item: item[0]):  # stable: facts stay in drawn order
+        pieces += [hay[prev:pos], np.asarray(statement, dtype=np.int64)]
+        prev = pos
+    return np.concatenate([*pieces, hay[prev:], np.asarray(tail, dtype=np.int64)])
 
 
 def held_out_windows(

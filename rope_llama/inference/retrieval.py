@@ -11,6 +11,9 @@ Tasks (Hsieh et al. 2024, RULER: single / multi-key needle-in-a-haystack and var
   multikey   `keys` needles with distinct names and keys; the question asks for one of them
   vartrack   `chains` chains VAR A = 12345, VAR B = VAR A, ... (`hops` copies each); the question
              asks for the value of one chain's last variable, so the answer needs every hop
+  heldout_<family>  `facts` facts (5-digit numbers) in a wording drawn per prompt from one held-out family of
+             data/templates.py (prose, dialogue, list, things): wordings recall training never produces.
+             `heldout` in a task list stands for all four; their pooled accuracy is the suite's headline.
 
 Every prompt is the passkey instruction, then its filler repeated, with the needles in
 it, then the question. The filler is cut at sentence boundaries, so a prompt has at most
@@ -23,15 +26,19 @@ pure functions of (tokenizer, length, depth, the rng's state).
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from dataclasses import dataclass
 
 import numpy as np
 
+from rope_llama.data import templates
 from rope_llama.data.tokenizer import Tokenizer
 
-TASKS = ("passkey", "multikey", "vartrack")
+HELDOUT = "heldout"  # in a task list: every held-out family; in a table: their pooled trials
+HELDOUT_TASKS = tuple(f"{HELDOUT}_{family}" for family in templates.FAMILIES)
+TASKS = ("passkey", "multikey", "vartrack", *HELDOUT_TASKS)
 # The passkey prompt of Mohtashami & Jaggi (2023), as scripts/passkey.py and the literature use it.
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -101,7 +108,23 @@ TASK_OPTIONS = {
     "passkey": {},
     "multikey": {"keys": (1, len(NAMES))},
     "vartrack": {"chains": (1, None), "hops": (0, None)},
+    **{task: {"facts": (1, len(templates.NOUNS))} for task in HELDOUT_TASKS},
 }
+
+
+def expand_tasks(tasks: list[str]) -> list[str]:
+    """`tasks` with `heldout` replaced by every held-out family's task (HELDOUT_TASKS)."""
+    return [t for task in tasks for t in (HELDOUT_TASKS if task == HELDOUT else (task,))]
+
+
+def pooled_heldout(trials: list[dict]) -> list[dict]:
+    """The trials of every held-out family relabelled as task `heldout`: the rows of the headline. A trial's
+    index becomes "<family task>/<index>", so pooled trials stay distinct units for paired tests."""
+    return [
+        {**t, "task": HELDOUT, "trial": f"{t['task']}/{t['trial']}"}
+        for t in trials
+        if t["task"] in HELDOUT_TASKS
+    ]
 
 
 def check_task_options(task: str, **options) -> None:
@@ -123,6 +146,8 @@ def build_prompt(
 ) -> RetrievalPrompt:
     """The prompt of `task` (one of TASKS) with the task's options (multikey: keys; vartrack: chains, hops)."""
     check_task_options(task, **options)
+    if task in HELDOUT_TASKS:
+        return heldout_prompt(task, tok, length, depth, rng, **options)
     builders = {"passkey": passkey_prompt, "multikey": multikey_prompt, "vartrack": vartrack_prompt}
     return builders[task](tok, length, depth, rng, **options)
 
@@ -172,6 +197,33 @@ def vartrack_prompt(
         needles += [(p, tok.encode(s)) for p, s in zip(places, statements)]
     question = tok.encode(VAR_QUESTION.format(name=names[hops]))
     return _assemble("vartrack", tok, length, needles, question, values[0])
+
+
+@functools.cache
+def family_templates(family: str) -> tuple[templates.Template, ...]:
+    return tuple(templates.family_templates(family))
+
+
+def heldout_prompt(
+    task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, facts: int = 1
+) -> RetrievalPrompt:
+    """`facts` facts in one template drawn from the family of `task` (heldout_<family>), distinct tags and
+    5-digit numbers; the question asks for the first, which sits at `depth`, the others at random places.
+    In the dialogue layout two distinct speakers state and ask."""
+    check_task_options(task, facts=facts)
+    family = family_templates(task.removeprefix(f"{HELDOUT}_"))
+    template = family[rng.integers(len(family))]
+    tags = templates.tags(template, rng, facts)
+    keys = random_keys(rng, facts)
+    speakers = tuple(templates.SPEAKERS[i] for i in rng.choice(len(templates.SPEAKERS), 2, replace=False))
+    rendered = [templates.render(template, t, k, speakers) for t, k in zip(tags, keys)]
+    places = [_check_depth(depth), *rng.random(facts - 1)]
+    # the filler is one line: a statement laid out on its own line starts one there, as in training
+    statements = [
+        r.statement if template.layout == "prose" else "\n" + r.statement.lstrip("\n") for r in rendered
+    ]
+    needles = [(p, tok.encode(s)) for p, s in zip(places, statements)]
+    return _assemble(task, tok, length, needles, tok.encode(rendered[0].question), keys[0])
 
 
 def _assemble(
