@@ -98,7 +98,7 @@ def test_heldout_prompts_state_the_answer_once_in_their_familys_wording_at_the_d
         assert common.size >= len("the pin of"), (statement, question)  # it asks about the stated tag
         assert not text.endswith((str(p.answer), "."))  # the answer comes next
         if family == "prose":
-            assert "What is" in question and "\n" not in text
+            assert "Which number is" in question and "\n" not in text
         if family == "dialogue":
             assert re.search(r"\n\n[A-Z]+:\nDo you know [^\n]+\?\n[A-Z]+:\n[^\n]+$", text)
             assert needle[0].endswith(":") and needle[0] in text[-40:]  # the fact's speaker answers

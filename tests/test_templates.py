@@ -37,10 +37,9 @@ def test_the_training_space_is_large_and_no_family_template_is_in_it():
         used = {getattr(t, name) for t in training}
         assert used == set(parts) - {T.HELD_OUT.get(name)}, name
     assert {t.thing for t in training} == set(T.THINGS)
-    assert ("prose", "direct") not in {(t.layout, t.question) for t in training}
-    assert {"direct"} <= {
-        t.question for t in training if t.layout == "line"
-    }  # the combination, not the parts
+    assert ("prose", "which") not in {(t.layout, t.question) for t in training}
+    assert "which" in {t.question for t in training if t.layout == "line"}  # the combination, not the part
+    assert "direct" in {t.question for t in training if t.layout == "prose"}  # the passkey's shape, not its words
 
 
 def test_no_heldout_wording_renders_as_a_training_wording():
@@ -52,8 +51,8 @@ def test_no_heldout_wording_renders_as_a_training_wording():
     assert not [s for s in statements if "was set to" in s]
     assert not [q for q in questions if "Do you know" in q]
     assert not [w for w in T.HELD_OUT["things"] if any(w in s for s in statements)]
-    # the direct question never continues a line of prose in training
-    assert not [q for q in questions if q.startswith(" What is")]
+    # "Which number is X?" never continues a line of prose in training
+    assert not [q for q in questions if q.startswith(" Which number is")]
 
 
 def test_the_passkey_wording_is_no_part_of_training():

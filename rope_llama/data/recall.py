@@ -164,6 +164,9 @@ class RecallConfig:
     # thing words, tag patterns, statements, layouts including the plays' dialogue, questions, answer leads;
     # numbers of 3-7 digits) instead of TEMPLATES; the held-out families there are never drawn. 0 draws nothing.
     varied_share: float = 0.0
+    # Share of those varied windows whose thing words ("code", "ticket", ...) are random one-token vocabulary words
+    # instead: a question about a thing never named in training still asks for a number. 0 draws nothing.
+    word_thing_share: float = 0.0
 
     @property
     def weighted(self) -> bool:
@@ -233,7 +236,7 @@ class RecallMixer:
         )  # suite words, held-out things: never tag words
         self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - never)
         self.templates = templates.training_templates() if config.varied_share > 0 else []
-        words_needed = config.word_tag_share > 0 or config.filler_share > 0
+        words_needed = config.word_tag_share > 0 or config.filler_share > 0 or config.word_thing_share > 0
         if words_needed and len(self.tag_words) < 2 * config.max_pairs:
             raise DataError(
                 f"data.recall.word_tag_share and filler_share need at least {2 * config.max_pairs} one-token "
@@ -458,7 +461,9 @@ class RecallMixer:
         word_tags = (
             template.tag == "adjective" and cfg.word_tag_share > 0 and rng.random() < cfg.word_tag_share
         )
-        tags = templates.tags(template, rng, n_facts, rng.random() < 0.5, self.tag_words if word_tags else ())
+        word_things = cfg.word_thing_share > 0 and rng.random() < cfg.word_thing_share  # no draw when off
+        words, things = (self.tag_words if word_tags else ()), (self.tag_words if word_things else ())
+        tags = templates.tags(template, rng, n_facts, rng.random() < 0.5, words, things)
         values: list[int] = []
         while len(values) < n_facts:
             values += [v] if (v := templates.number(rng)) not in values else []

@@ -17,7 +17,7 @@ A wording (`Template`) picks one of each part; `{X}` is the tag (what the number
         Tell me the code of the tower. It is 40213
 
 Held out by construction (`HELD_OUT`): three thing words, one statement, one question, and one combination
-(the direct question in the prose layout) never occur in training (`training_templates`); each held-out
+("Which number is X?" in the prose layout) never occur in training (`training_templates`); each held-out
 family (`FAMILIES`) is built from them, so every held-out template lies outside the training space
 (tests/test_templates.py enumerates both). The retrieval suite (inference/retrieval.py) asks the families;
 `data.recall.varied_share` trains on the rest.
@@ -71,7 +71,7 @@ HELD_OUT = {
     "things": ("locker", "voucher", "permit"),
     "statement": "set",
     "question": "know",
-    "combination": ("prose", "direct"),  # the direct question is trained in every layout but prose
+    "combination": ("prose", "which"),  # "Which number is X?" is trained in every layout but prose
 }
 
 
@@ -127,7 +127,7 @@ def training_templates() -> list[Template]:
 # Held-out families: the layout each is asked in (None: any) and its one held-out part; every other part is
 # trained, so a family measures one kind of novelty.
 FAMILIES = {
-    "prose": (None, "combination"),  # a plain statement and a direct question inside prose
+    "prose": (None, "combination"),  # a plain statement and "Which number is X?" inside prose
     "dialogue": ("dialogue", "question"),  # one speaker states the number, another asks "Do you know ...?"
     "list": ("list", "statement"),  # list entries stated with the held-out verb ("... was set to N.")
     "things": (None, "things"),  # held-out thing words (locker, voucher, permit) in trained wordings
@@ -142,10 +142,15 @@ def family_templates(family: str) -> list[Template]:
     return [t for t in all_templates() if held_out_parts(t) == {part} and layout in (None, t.layout)]
 
 
-def tags(t: Template, rng: np.random.Generator, n: int, shared_thing: bool = True, words=()) -> list[str]:
+def tags(
+    t: Template, rng: np.random.Generator, n: int, shared_thing: bool = True, words=(), things=()
+) -> list[str]:
     """`n` distinct tags in `t`'s tag pattern, all with `t.thing` when `shared_thing`, else with random
-    things of the same split; `words` (optional) replace the qualifier list, e.g. vocabulary words."""
-    things = HELD_OUT["things"] if t.thing in HELD_OUT["things"] else THINGS
+    things of the same split; `words` (optional) replace the qualifier list and `things` (optional) the thing
+    words, e.g. with vocabulary words."""
+    if things:
+        t = Template(things[rng.integers(len(things))], t.tag, t.statement, t.layout, t.question, t.lead)
+    things = things or (HELD_OUT["things"] if t.thing in HELD_OUT["things"] else THINGS)
     fills = {"adjective": list(words) or QUALIFIERS, "of": NOUNS, "owner": NAMES}[t.tag]
     if n > len(fills):
         raise ValueError(
