@@ -41,6 +41,12 @@ Design, and why:
 - Counting runs (`counting_share`): a copy window's numbers as runs of consecutive values, so the ten digits
   stay apart in the embedding before any copy forms; with random values only they fold together first.
 
+- Generated wordings (`varied_share`): a window worded by a template of data/templates.py's training space
+  (thing words, tag patterns, statements, prose / line / list / dialogue layouts, questions, answer leads; 3-7
+  digit numbers, each answer followed by a "." weighted as the answer), so retrieval is not bound to one
+  wording; the held-out families there are what the retrieval suite asks. `word_thing_share` names a share of
+  their things with vocabulary words, so a question about a thing never named in training still asks for a number.
+
 Everything is a pure function of (recall seed, batch index), so batches stay resumable.
 """
 
@@ -239,8 +245,9 @@ class RecallMixer:
         words_needed = config.word_tag_share > 0 or config.filler_share > 0 or config.word_thing_share > 0
         if words_needed and len(self.tag_words) < 2 * config.max_pairs:
             raise DataError(
-                f"data.recall.word_tag_share and filler_share need at least {2 * config.max_pairs} one-token "
-                f"words in the tokenizer's vocabulary, which has {len(self.tag_words)}."
+                f"data.recall.word_tag_share, word_thing_share and filler_share need at least "
+                f"{2 * config.max_pairs} one-token words in the tokenizer's vocabulary, which has "
+                f"{len(self.tag_words)}."
             )
         if (need := self.longest_synthetic()) >= window_len:
             raise DataError(
