@@ -69,7 +69,7 @@ class StudyConfig:
     # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>).
     # Any: OmegaConf 2.3 has no int | list[int] field
     seeds: Any = 3
-    # the bases of the first N seeds are fine-tuned (PI and YaRN each). One keeps the study near 100 minutes on 2
+    # the bases of the first N seeds are fine-tuned (PI and YaRN each). One keeps the study near an hour on 2
     # cores; each more adds two fine-tunes (~15-20 min each) and their evaluations. The first seed's fine-tunes are
     # named pi and yarn (as in every earlier study, so those resume), seed k's pi_s<k> and yarn_s<k>.
     finetune_seeds: int = 1
