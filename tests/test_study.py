@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.inference.stats import wilson_interval
 from scripts import study
 from tests.helpers import ROOT, compose_train, small_corpus
@@ -257,10 +258,12 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
     assert "| yarn/ckpt | 2 | " in summary  # and behind each fine-tune (yarn, yarn_s1)
     assert (study_dir / "runs" / "yarn_s1" / study.TRAINED).is_file()
-    assert "Significant orderings (95%)" in summary and "### vartrack: greedy accuracy" in summary
+    assert "Significant orderings (95%)" in summary and "### heldout: greedy accuracy" in summary
+    assert summary.index("### heldout: greedy") < summary.index("### passkey: greedy")  # the headline first
     for name in (
         "summary.png",
         "retrieval_passkey.png",
+        "retrieval_heldout.png",
         "paired_ppl.csv",
         "retrieval.csv",
         "paired_retrieval.csv",
@@ -332,6 +335,33 @@ def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
     assert "margin" not in text and "margin_mean" not in none  # trials.csv files without the margin column
     assert "greedy misses" not in text and "miss_overrun" not in none  # nor answers: no miss kinds guessed
     assert "| base/none | 20% / 20% |" in text  # the per-seed table: trial 0 of 5 per depth on each seed
+
+
+def test_study_pools_the_heldout_families_as_the_first_table_with_distinct_paired_units():
+    """Two families of 2 seeds x 2 depths x 3 trials: the pooled `heldout` row counts both (24 trials), its paired
+    test sees 24 units (the families' trial indices do not collide), and its table comes first."""
+    trials = []
+    for task in ("heldout_prose", "heldout_dialogue", "passkey"):
+        for seed in range(2):
+            for depth in (0.0, 1.0):
+                for trial in range(3):
+                    for method, correct in (("yarn", 1), ("none", int(task == "heldout_prose"))):
+                        trials.append({"task": task, "model": "base", "seed": seed, "method": method, "length": 512,
+                                       "depth": depth, "trial": trial, "greedy_correct": correct, "rank_correct": 1})  # fmt: skip
+    accuracy, paired, text = study.retrieval_tables(trials + pooled_heldout(trials))
+    pooled = next(r for r in accuracy if r["task"] == "heldout" and r["method"] == "base/none")
+    assert pooled["trials"] == 24 and pooled["greedy_acc"] == pytest.approx(0.5)
+    greedy = next(r for r in paired if r["task"] == "heldout" and r["metric"] == "greedy")
+    assert greedy["units"] == 24 and greedy["better"] == "yarn"
+    titles = [
+        line for line in text.splitlines() if line.startswith("### ") and "greedy accuracy, pooled" in line
+    ]
+    assert [t.split(":")[0] for t in titles] == [
+        "### heldout",
+        "### passkey",
+        "### heldout_prose",
+        "### heldout_dialogue",
+    ]
 
 
 def test_study_retrieval_tables_show_a_base_that_never_copies_seed_by_seed():

@@ -39,7 +39,9 @@ def test_the_training_space_is_large_and_no_family_template_is_in_it():
     assert {t.thing for t in training} == set(T.THINGS)
     assert ("prose", "which") not in {(t.layout, t.question) for t in training}
     assert "which" in {t.question for t in training if t.layout == "line"}  # the combination, not the part
-    assert "direct" in {t.question for t in training if t.layout == "prose"}  # the passkey's shape, not its words
+    assert "direct" in {
+        t.question for t in training if t.layout == "prose"
+    }  # the passkey's shape, not its words
 
 
 def test_no_heldout_wording_renders_as_a_training_wording():
