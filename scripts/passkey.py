@@ -178,11 +178,9 @@ def task_options(cfg: DictConfig) -> dict[str, dict]:
     tasks = expand_tasks(option_list(cfg, "tasks", "[passkey,heldout]"))
     if len(set(tasks)) < len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}.")
-    given = {t: dict(cfg.task_options.get(t) or {}) for t in cfg.task_options or {}}
-    options = {
-        t: given.get(HELDOUT, {}) if t in HELDOUT_TASKS else {} for t in tasks
-    }  # `heldout` sets every family's
-    options |= {t: given[t] for t in tasks if t in given}
+    given = cfg.task_options or {}
+    # a family's own entry, else `heldout`'s (which sets every family)
+    options = {t: dict(given.get(t) or given.get(HELDOUT if t in HELDOUT_TASKS else t) or {}) for t in tasks}
     for task, opts in options.items():
         check_task_options(task, **opts)
     return options

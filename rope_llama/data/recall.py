@@ -241,7 +241,7 @@ class RecallMixer:
             templates.HELD_OUT["things"]
         )  # suite words, held-out things: never tag words
         self.tag_words = sorted({t[1:] for t in texts if TAG_WORD.fullmatch(t)} - never)
-        self.templates = templates.training_templates() if config.varied_share > 0 else []
+        self.templates = templates.training_templates() if config.varied_share > 0 else ()
         words_needed = config.word_tag_share > 0 or config.filler_share > 0 or config.word_thing_share > 0
         if words_needed and len(self.tag_words) < 2 * config.max_pairs:
             raise DataError(
@@ -287,11 +287,10 @@ class RecallMixer:
         longest number: what `longest_synthetic` bounds."""
         longest_tags = {}
         for pattern, fmt in templates.TAGS.items():
-            fills = {"adjective": templates.QUALIFIERS, "of": templates.NOUNS, "owner": templates.NAMES}[
-                pattern
-            ]
             candidates = [
-                fmt.format(qualifier=f, noun=f, name=f, thing=t) for f in fills for t in templates.THINGS
+                fmt.format(qualifier=f, noun=f, name=f, thing=t)
+                for f in templates.FILLS[pattern]
+                for t in templates.THINGS
             ]
             lengths = list(map(len, self.tok.encode_batch(candidates)))
             longest_tags[pattern] = candidates[int(np.argmax(lengths))]
@@ -474,7 +473,7 @@ class RecallMixer:
         values: list[int] = []
         while len(values) < n_facts:
             values += [v] if (v := templates.number(rng)) not in values else []
-        speakers = tuple(templates.SPEAKERS[i] for i in rng.choice(len(templates.SPEAKERS), 2, replace=False))
+        speakers = templates.speakers(rng)
         rendered = [templates.render(template, t, v, speakers) for t, v in zip(tags, values)]
         asked = [int(i) for i in rng.choice(n_facts, size=cfg.queries, replace=False)]
         unstated = None

@@ -25,8 +25,9 @@ family (`FAMILIES`) is built from them, so every held-out template lies outside 
 
 from __future__ import annotations
 
+import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +63,7 @@ NOUNS = ("tower", "inn", "harbour", "chapel", "mill", "bridge", "abbey", "forge"
          "theatre", "library", "kitchen", "cellar", "palace", "camp")  # fmt: skip
 NAMES = ("Marcus", "Helena", "Viola", "Lucius", "Portia", "Edmund", "Olivia", "Silvius", "Rosaline",
          "Camillo", "Isabel", "Dromio", "Paulina", "Flavius", "Bianca", "Angelo")  # fmt: skip
+FILLS = {"adjective": QUALIFIERS, "of": NOUNS, "owner": NAMES}  # what fills each tag pattern's slot
 SPEAKERS = tuple(n.upper() for n in NAMES)  # the plays print a speaker's name in capitals, then a colon
 STOP = "."  # what follows an answer in training: numbers have several lengths, so where a copy ends is learnt
 DIGITS = (3, 7)  # training numbers have 3..7 digits (uniform); the suite asks 5-digit ones, like the passkey
@@ -119,9 +121,10 @@ def held_out_parts(t: Template) -> set[str]:
     return {part for part, yes in used.items() if yes}
 
 
-def training_templates() -> list[Template]:
+@functools.cache
+def training_templates() -> tuple[Template, ...]:
     """The templates recall windows are drawn from (`data.recall.varied_share`): no held-out part."""
-    return [t for t in all_templates() if not held_out_parts(t)]
+    return tuple(t for t in all_templates() if not held_out_parts(t))
 
 
 # Held-out families: the layout each is asked in (None: any) and its one held-out part; every other part is
@@ -134,12 +137,13 @@ FAMILIES = {
 }
 
 
-def family_templates(family: str) -> list[Template]:
+@functools.cache
+def family_templates(family: str) -> tuple[Template, ...]:
     """The templates of one held-out family (a key of FAMILIES)."""
     if family not in FAMILIES:
         raise ValueError(f"held-out family {family!r} is unknown; allowed families are {list(FAMILIES)}.")
     layout, part = FAMILIES[family]
-    return [t for t in all_templates() if held_out_parts(t) == {part} and layout in (None, t.layout)]
+    return tuple(t for t in all_templates() if held_out_parts(t) == {part} and layout in (None, t.layout))
 
 
 def tags(
@@ -149,9 +153,9 @@ def tags(
     things of the same split; `words` (optional) replace the qualifier list and `things` (optional) the thing
     words, e.g. with vocabulary words."""
     if things:
-        t = Template(things[rng.integers(len(things))], t.tag, t.statement, t.layout, t.question, t.lead)
+        t = replace(t, thing=things[rng.integers(len(things))])
     things = things or (HELD_OUT["things"] if t.thing in HELD_OUT["things"] else THINGS)
-    fills = {"adjective": list(words) or QUALIFIERS, "of": NOUNS, "owner": NAMES}[t.tag]
+    fills = (words or FILLS[t.tag]) if t.tag == "adjective" else FILLS[t.tag]
     if n > len(fills):
         raise ValueError(
             f"a window of {n} facts needs {n} distinct tags; the {t.tag} pattern has {len(fills)}."
@@ -161,6 +165,12 @@ def tags(
         thing = t.thing if shared_thing else things[rng.integers(len(things))]
         out.append(TAGS[t.tag].format(qualifier=fills[i], noun=fills[i], name=fills[i], thing=thing))
     return out
+
+
+def speakers(rng: np.random.Generator) -> tuple[str, str]:
+    """Two distinct speakers: (who states the fact and answers, who asks), for the dialogue layout."""
+    first, second = rng.choice(len(SPEAKERS), 2, replace=False)
+    return SPEAKERS[first], SPEAKERS[second]
 
 
 def number(rng: np.random.Generator, digits: tuple[int, int] = DIGITS) -> int:

@@ -26,7 +26,6 @@ pure functions of (tokenizer, length, depth, the rng's state).
 
 from __future__ import annotations
 
-import functools
 import re
 import string
 from dataclasses import dataclass
@@ -199,11 +198,6 @@ def vartrack_prompt(
     return _assemble("vartrack", tok, length, needles, question, values[0])
 
 
-@functools.cache
-def family_templates(family: str) -> tuple[templates.Template, ...]:
-    return tuple(templates.family_templates(family))
-
-
 def heldout_prompt(
     task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, facts: int = 1
 ) -> RetrievalPrompt:
@@ -211,11 +205,11 @@ def heldout_prompt(
     5-digit numbers; the question asks for the first, which sits at `depth`, the others at random places.
     In the dialogue layout two distinct speakers state and ask."""
     check_task_options(task, facts=facts)
-    family = family_templates(task.removeprefix(f"{HELDOUT}_"))
+    family = templates.family_templates(task.removeprefix(f"{HELDOUT}_"))
     template = family[rng.integers(len(family))]
     tags = templates.tags(template, rng, facts)
     keys = random_keys(rng, facts)
-    speakers = tuple(templates.SPEAKERS[i] for i in rng.choice(len(templates.SPEAKERS), 2, replace=False))
+    speakers = templates.speakers(rng)
     rendered = [templates.render(template, t, k, speakers) for t, k in zip(tags, keys)]
     places = [_check_depth(depth), *rng.random(facts - 1)]
     # the filler is one line: a statement laid out on its own line starts one there, as in training
