@@ -99,6 +99,20 @@ def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
     return model_state_from_checkpoint(ckpt), ckpt.get("model_config")
 
 
+def unmatched_pose_factor(positions, rope) -> str | None:
+    """A line when PoSE trains towards a length its RoPE scaling's factor does not reach (allowed: a
+    deliberate mismatch is an experiment too)."""
+    if positions.kind != "pose" or rope.scaling == "none":
+        return None
+    matched = positions.target_len / rope.original_max_len
+    if rope.factor == matched:
+        return None
+    return (
+        f"note: PoSE trains towards {positions.target_len} tokens but rope.factor={rope.factor:g}; "
+        f"target_len / original_max_len = {matched:g}."
+    )
+
+
 def check_switches(cfg: DictConfig) -> None:
     """The run-level booleans, which OmegaConf leaves untyped in train.yaml."""
     for key in ("kernels", "overwrite"):
@@ -164,6 +178,8 @@ def setup_run(cfg: DictConfig):
 
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # the tokenizer's, padded
     model_config = replace(model_config, vocab_size=vocab_size)
+    if note := unmatched_pose_factor(datamodule.positions, model_config.rope):
+        print(note)
     module = LitLlama(
         model_config,
         optim,
@@ -173,6 +189,7 @@ def setup_run(cfg: DictConfig):
         tokenizer=tokenizer,
         max_len=cfg.data.max_len,
         chars_per_token=datamodule.chars_per_token("val"),
+        context_len=datamodule.positions.context_len(cfg.data.max_len),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )
     if resume_state is not None:  # Lightning loads it in fit, where a mismatch would be a traceback

@@ -13,11 +13,16 @@ continues from its checkpoints/last.ckpt with ckpt_path=last):
                                                                    -> out/eval/<corpus>/base_s<k>
   3. fine-tune the first `finetune_seeds` bases at 1024 with PI and with YaRN (experiment=extend_context:
      pi, yarn from the first seed's base, pi_s<k>, yarn_s<k> from seed k's), evaluate their own RoPE
-  4. train a model with a larger RoPE base (seed 0), evaluate it with `none`
+  4. train a model with a larger RoPE base (seed 0), evaluate it with `none`; with `pose`, fine-tune the same
+     bases with PoSE (experiment=pose: 256-token windows whose position ids span 4L or 16L, same steps and
+     tokens as the full-length fine-tunes: pose4_pi, pose4_yarn, pose16_yarn); with `randomized`, train a base
+     from scratch on randomized position ids (experiment=randomized_positions, seed 0: randomized)
   5. the retrieval suite (passkey, multi-key, variable tracking) on every base and fine-tuned model
   6. out/summary.md: per corpus, mean and across-seed range per method and length; paired
      comparisons (bootstrap over documents x seeds, or prompts' depths x seeds) marking the
-     significant orderings; retrieval accuracy with Wilson 95% intervals; plots beside it.
+     significant orderings, also between the trained extensions; each training's cost (steps, tokens,
+     attention FLOPs, seconds) beside the length it reaches; retrieval accuracy with Wilson 95% intervals;
+     plots beside it.
 Up to `jobs` steps (default 3) run at once, each with cores / jobs torch threads and its output in
 out/logs/<step>.log (jobs=1: one after another, on the terminal); a line per step says when it starts
 and how long it took. Arguments after `--` go to every train.py run (e.g. data=... overrides).
@@ -81,6 +86,8 @@ class StudyConfig:
     base_ckpt: str | None = None
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
     large_base: float = 500000.0
+    pose: bool = True  # PoSE fine-tunes of the fine-tuned seeds' bases (POSE_FINETUNES)
+    randomized: bool = True  # a base trained from scratch on randomized position ids (seed 0)
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
     max_windows: int = 4
     retrieval: bool = True
@@ -102,7 +109,12 @@ SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.ma
 SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
+# PoSE fine-tunes: (target length / L, RoPE scaling matched to it); run pose<factor>_<scaling>
+POSE_FINETUNES = ((4, "linear"), (4, "yarn"), (16, "yarn"))
+SCALING_NAMES = {"linear": "pi", "yarn": "yarn"}
+REACH_TOLERANCE = 1.05  # a length is reached while perplexity stays within 5% of the base's at L
 SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hundred tokens with a tiny BPE
+RANDOMIZED = "randomized"  # the randomized-positions base's run
 TRAINED = "study_trained"  # marker file in a run directory: its training finished
 DONE = "study_done"  # marker file in an evaluation's out directory: every output of the step is written
 
@@ -246,6 +258,130 @@ def orderings(table: list[dict]) -> str:
         f"{r['better']} < {r['b'] if r['better'] == r['a'] else r['a']}" for r in table if r["significant"]
     ]
     return ", ".join(pairs) or "none"
+
+
+# ----------------------------------------------------------------------------- trained extensions: comparison and cost
+
+
+def extension_losses(windows: list[dict], length: int, seed: int) -> dict[str, dict]:
+    """{model/method: {(document, window): loss}} at `length` on `seed`'s windows: every trained extension
+    (the fine-tunes with their own RoPE, the other bases with none) and the base's best zero-shot method
+    there (the lowest mean loss), the one every extension is measured against."""
+    cell = [w for w in windows if w["length"] == length and w["seed"] == seed]
+    by_name = defaultdict(dict)
+    for w in cell:
+        by_name[w["model"] + "/" + w["method"]][w["document"], w["window"]] = w["loss"]
+    zero_shot = [n for n in by_name if n.startswith("base/")]
+    if not zero_shot:
+        return {}
+    best = min(zero_shot, key=lambda n: np.mean(list(by_name[n].values())))
+    return {n: v for n, v in by_name.items() if n == best or not n.startswith("base/")}
+
+
+def paired_extensions(windows: list[dict], corpus: str, max_len: int, seed: int) -> tuple[list[dict], str]:
+    """Beyond the training length: the trained extensions and the best zero-shot method compared pairwise
+    on the same windows of `seed` (units (document, window), clusters = documents)."""
+    rows, text = [], []
+    for length in sorted({w["length"] for w in windows if w["length"] > max_len}):
+        by_name = extension_losses(windows, length, seed)
+        if len(by_name) < 3:  # the best zero-shot method and at least two extensions
+            continue
+        units = sorted(set.intersection(*(set(v) for v in by_name.values())))
+        values = {n: np.array([v[u] for u in units]) for n, v in by_name.items()}
+        table = pairwise_table(values, np.array([u[0] for u in units]), higher_is_better=False)
+        rows += [{"corpus": corpus, "model": "extensions", "length": length, **r} for r in table]
+        text += [f"\n#### {corpus}, trained extensions (seed {seed}), T = {length}: loss difference (nats), row minus column\n",
+                 pairwise_markdown(table), "", "Significant orderings (95%): " + orderings(table), ""]  # fmt: skip
+    return rows, "\n".join(text)
+
+
+def training_cost(run_dir: Path) -> dict:
+    """Steps, tokens, attention FLOPs (forward + backward, 12 * layers * d_model * L per token, as
+    LitLlama's MFU counts them) and training seconds of one study run, from its saved config and metrics."""
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    steps, batch, length = cfg.trainer.max_steps, cfg.data.batch_size, cfg.data.max_len
+    tokens = steps * batch * length
+    seconds = [
+        r["time/train_s"]
+        for r in read_csv(run_dir / "metrics.csv")
+        if isinstance(r.get("time/train_s"), float)
+    ]
+    return {"steps": steps, "tokens": tokens, "attention_flops": tokens * 12 * cfg.model.n_layers * cfg.model.d_model * length,
+            "seconds": max(seconds, default=float("nan"))}  # fmt: skip
+
+
+def reach(ppl: dict[int, float], threshold: float, max_len: int) -> int | None:
+    """The longest length T >= max_len whose perplexity, and every evaluated one from max_len to T, stays at
+    or below `threshold`; None when the first already does not."""
+    reached = None
+    for length in sorted(t for t in ppl if t >= max_len):
+        if ppl[length] > threshold:
+            break
+        reached = length
+    return reached
+
+
+def cost_table(out: Path, windows: dict[str, list[dict]], models: list[str], max_len: int, seed: int) -> str:
+    """Markdown: for each trained extension of `seed`'s base (and the best zero-shot method, at no cost),
+    its training cost and the length it reaches on each corpus (REACH_TOLERANCE x the base's `none`
+    perplexity at the training length)."""
+
+    def ppl_by_length(rows: list[dict], name: str) -> dict[int, float]:
+        losses = defaultdict(list)
+        for w in rows:
+            if w["seed"] == seed and w["model"] + "/" + w["method"] == name:
+                losses[w["length"]].append(w["loss"])
+        return {t: float(np.exp(np.mean(v))) for t, v in losses.items()}
+
+    corpora = list(windows)
+    thresholds = {
+        c: REACH_TOLERANCE * ppl_by_length(rows, "base/none").get(max_len, float("nan"))
+        for c, rows in windows.items()
+    }
+    names = {
+        c: sorted({w["model"] + "/" + w["method"] for w in rows if w["seed"] == seed})
+        for c, rows in windows.items()
+    }
+    head = ["| training | steps | tokens | attention FLOPs | seconds | " + " | ".join(f"reach: {c}" for c in corpora) + " |",
+            "|---" * (5 + len(corpora)) + "|"]  # fmt: skip
+    lines = []
+    zero_shot = []
+    for (
+        c
+    ) in corpora:  # the best zero-shot method: the one reaching furthest, then the lowest perplexity there
+        reaches = {
+            n: reach(ppl_by_length(windows[c], n), thresholds[c], max_len) or 0
+            for n in names[c]
+            if n.startswith("base/")
+        }
+        best = max(
+            reaches,
+            key=lambda n: (reaches[n], -ppl_by_length(windows[c], n).get(reaches[n], np.inf)),
+            default=None,
+        )
+        zero_shot.append(f"{reaches[best] or '-'} ({best.removeprefix('base/')})" if best else "-")
+    lines.append(
+        "| none: best zero-shot method of the base | 0 | 0 | 0 | 0 | " + " | ".join(zero_shot) + " |"
+    )
+    for model in models:
+        name, run_seed = model_and_seed(model, seed)
+        run_dir = out / "runs" / model
+        if run_seed != seed or not (run_dir / ".hydra" / "config.yaml").exists():
+            continue  # another seed's run, or a reused checkpoint (base_ckpt, large_base_ckpt)
+        cost = training_cost(run_dir)
+        reached = []
+        for c in corpora:  # a fine-tune with its own RoPE, a base with none
+            method = f"{name}/ckpt" if f"{name}/ckpt" in names[c] else f"{name}/none"
+            reached.append(str(reach(ppl_by_length(windows[c], method), thresholds[c], max_len) or "-"))
+        lines.append(f"| {model} | {cost['steps']} | {cost['tokens'] / 1e6:.2f}M | {cost['attention_flops']:.2e} | "
+                     f"{cost['seconds']:.0f} | " + " | ".join(reached) + " |")  # fmt: skip
+    return "\n".join([
+        f"\n### What each training buys (seed {seed})\n",
+        f"Reach: the longest evaluated length up to which perplexity stays within {REACH_TOLERANCE - 1:.0%} of the "
+        f"base's `none` at L = {max_len} ({', '.join(f'{c}: {t:.2f}' for c, t in thresholds.items())}); fine-tunes with their "
+        "own RoPE, bases with `none`. Seconds: training time as the study ran it (steps side by side, one thread "
+        "each). A fine-tune's cost adds to its base's (the base_s row).\n",
+        *head, *lines, ""])  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- retrieval tables
@@ -508,11 +644,29 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     # set when a base's training ends: its fine-tunes start
     trained = {name: threading.Event() for name in bases}
     finetuned = seeds[: cfg.finetune_seeds]
-    finetunes = {  # name -> (base it starts from, RoPE override)
-        f"{method}{'' if k == seeds[0] else f'_s{k}'}": (f"base_s{k}", rope)
+    suffix = lambda k: "" if k == seeds[0] else f"_s{k}"  # noqa: E731
+    finetunes = {  # name -> (base it starts from, experiment, overrides)
+        f"{method}{suffix(k)}": (f"base_s{k}", "extend_context", (*rope, *extend_args))
         for k in finetuned
         for method, rope in (("pi", ()), ("yarn", ("rope=yarn",)))
     }
+    for k in finetuned if cfg.pose else ():
+        for factor, scaling in POSE_FINETUNES:
+            pose_args = (
+                f"rope={scaling}",
+                f"rope.factor={factor}",
+                f"positions.target_len={factor * base_len}",
+            )
+            smoke = [
+                "rope.original_max_len=32",
+                "trainer.max_steps=10",
+                "optim.warmup_steps=2",
+            ]  # base_len 32
+            finetunes[f"pose{factor}_{SCALING_NAMES[scaling]}{suffix(k)}"] = (
+                f"base_s{k}",
+                "pose",
+                (*pose_args, *(smoke if cfg.smoke else [])),
+            )
 
     def base_lane(seed: int) -> None:
         name = f"base_s{seed}"
@@ -526,14 +680,27 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         retrieve(name, bases[name], RETRIEVAL_METHODS)
 
     def extend_lane(name: str) -> None:
-        base, rope = finetunes[name]
+        base, recipe_name, overrides = finetunes[name]
         trained[base].wait()
         if steps.stopped.is_set():
             raise Cancelled(f"train {name}")
         init = resolve_checkpoint(bases[base])  # init_from takes a .ckpt file
-        run_dir = train(name, *experiment("extend_context"), f"init_from={init}", *rope, *extend_args)
+        run_dir = train(name, *experiment(recipe_name), f"init_from={init}", *overrides)
         evaluate(name, run_dir, "[ckpt]")
         retrieve(name, run_dir, "[ckpt]")
+
+    def randomized_lane() -> None:
+        # target_len: the longest evaluated length, as the paper's L_max covers the test lengths
+        positions = [f"positions.target_len={max(lengths)}"]
+        run_dir = train(
+            RANDOMIZED,
+            *experiment("randomized_positions"),
+            f"data.max_len={base_len}",
+            "rope=none",
+            *positions,
+        )
+        evaluate(RANDOMIZED, run_dir, "[none]")
+        retrieve(RANDOMIZED, run_dir, "[none]")
 
     def large_base_lane() -> None:
         large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
@@ -541,18 +708,21 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         evaluate("large_base", large, "[none]")
 
     # the fine-tunes' lanes come after the bases' lanes: they wait for their base's training
+    extra = [randomized_lane] if cfg.randomized else []
     steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds),
-                     *(lambda name=name: extend_lane(name) for name in finetunes), large_base_lane])  # fmt: skip
-    summarise(cfg, out, [*bases, *finetunes, "large_base"], base_len, train_extra, seeds)
+                     *(lambda name=name: extend_lane(name) for name in finetunes), large_base_lane, *extra])  # fmt: skip
+    models = [*bases, *finetunes, "large_base", *([RANDOMIZED] if cfg.randomized else [])]
+    summarise(cfg, out, models, base_len, train_extra, seeds)
 
 
 def model_and_seed(run_name: str, first_seed: int) -> tuple[str, int]:
-    """The model a study run belongs to and its seed: base_s<k>, pi_s<k>, yarn_s<k> -> (base | pi | yarn, k);
-    pi, yarn -> the first seed's fine-tunes; large_base -> seed 0."""
-    if "_s" in run_name:
+    """The model a study run belongs to and its seed: base_s<k>, pi_s<k>, pose4_yarn_s<k> -> (base | pi |
+    pose4_yarn, k); an unsuffixed fine-tune (pi, yarn, pose4_pi, ...) -> the first seed's; large_base and
+    randomized (trained with the default seeds) -> seed 0."""
+    if "_s" in run_name and run_name.rsplit("_s", 1)[1].isdigit():
         model, seed = run_name.rsplit("_s", 1)
         return model, int(seed)
-    return run_name, first_seed if run_name in ("pi", "yarn") else 0
+    return run_name, 0 if run_name in ("large_base", RANDOMIZED) else first_seed
 
 
 def summarise(
@@ -589,10 +759,12 @@ def summarise(
     for corpus, rows in windows.items():
         text.append(seed_table(rows, corpus))
         rows_paired, md = paired_ppl(rows, corpus, "base", base_len)
-        paired += rows_paired
-        text.append(md)
+        extension_rows, extension_md = paired_extensions(rows, corpus, base_len, seeds[0])
+        paired += rows_paired + extension_rows
+        text += [md, extension_md]
     if paired:  # empty when no length exceeds the training length
         write_csv(out / "paired_ppl.csv", paired)
+    text.append(cost_table(out, windows, models, base_len, seeds[0]))
     plot_corpora(windows, base_len, out / "summary.png")
     if cfg.retrieval:
         trials = [

@@ -120,11 +120,11 @@ def _as_rank(dm, rank: int, world: int):
     return dm
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_ranks_split_every_batch_into_the_one_process_batch(tmp_path, world):
+@pytest.mark.parametrize("world, positions", [(2, None), (4, None), (2, {"kind": "pose", "target_len": 800})])
+def test_data_parallel_ranks_split_every_batch_into_the_one_process_batch(tmp_path, world, positions):
     source = small_source(tmp_path, n_files=12)
     recall = {"fraction": 0.5, "seed": 3, "min_pairs": 2, "max_pairs": 3, "answer_weight": 5}
-    kw = dict(source=source, max_len=200, batch_size=8, val_batch_size=4, recall=recall)
+    kw = dict(source=source, max_len=200, batch_size=8, val_batch_size=4, recall=recall, positions=positions)
     one = _dm(tmp_path, **kw)
     ranks = [_as_rank(_dm(tmp_path, **kw), r, world) for r in range(world)]
     # training: rank r's batch i is rows [r * 8 / W, (r + 1) * 8 / W) of the one-process batch i,
@@ -132,7 +132,8 @@ def test_data_parallel_ranks_split_every_batch_into_the_one_process_batch(tmp_pa
     whole = list(islice(iter(one.train_dataloader()), 3))
     shares = [list(islice(iter(dm.train_dataloader()), 3)) for dm in ranks]
     for i, batch in enumerate(whole):
-        assert len(batch) == 3 and batch[2].max() == 5  # (inputs, targets, weights) with weighted answers
+        # (inputs, targets, weights[, position ids]) with weighted answers
+        assert len(batch) == (3 if positions is None else 4) and batch[2].max() == 5
         for part, joined in zip(batch, zip(*(share[i] for share in shares))):
             assert joined[0].shape[0] == 8 // world
             assert torch.equal(torch.cat(joined), part)

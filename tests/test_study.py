@@ -141,13 +141,13 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
     study.run(study.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
     starts = [e for e in events if e[0] == "start"]
     assert max(e[3] for e in starts) == 3  # three at once, never four
-    assert (
-        len(starts) == len({(e[1], e[2]) for e in starts}) == 5 + 5 + 4
-    )  # trainings, evaluations, retrievals
+    # trainings (2 bases, pi, yarn, 3 PoSE, large base, randomized), evaluations, retrievals (no large base)
+    assert len(starts) == len({(e[1], e[2]) for e in starts}) == 9 + 9 + 8
     assert set(envs) == {(str(max(1, (os.cpu_count() or 1) // 3)), tmp_path / "logs")}
     order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "train.py"]
     base_end = order.index(("end", "base_s0"))
-    assert base_end < order.index(("start", "pi")) and base_end < order.index(("start", "yarn"))
+    for finetune in ("pi", "yarn", "pose4_pi", "pose4_yarn", "pose16_yarn"):
+        assert base_end < order.index(("start", finetune))
 
 
 def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_path, monkeypatch):
@@ -174,13 +174,23 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
     cfg = study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
     study.run(cfg, [])
     order = [(e[0], e[2]) for e in events if e[1] == "train.py"]
-    for name, base in (("pi", "base_s7"), ("yarn", "base_s7"), ("pi_s3", "base_s3"), ("yarn_s3", "base_s3")):
+    finetunes = [(name, "base_s7") for name in ("pi", "yarn", "pose4_pi", "pose4_yarn", "pose16_yarn")]
+    finetunes += [
+        (name, "base_s3") for name in ("pi_s3", "yarn_s3", "pose4_pi_s3", "pose4_yarn_s3", "pose16_yarn_s3")
+    ]
+    for name, base in finetunes:
         command = commands["train.py", name]
         assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
-        assert ("rope=yarn" in command) == name.startswith("yarn")
+        assert ("rope=yarn" in command) == ("yarn" in name)
         assert order.index(("end", base)) < order.index(("start", name))
+        if name.startswith("pose"):  # PoSE towards factor x L, its RoPE factor matched
+            factor = int(name[4 : name.index("_")])
+            assert "experiment=[recall_base,pose]" in command and f"rope.factor={factor}" in command
+            assert f"positions.target_len={factor * 256}" in command
     assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
-    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", "large_base"]]
+    assert "experiment=[recall_base,randomized_positions]" in commands["train.py", "randomized"]
+    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", "pose4_pi", "pose4_yarn",
+                           "pose16_yarn", "pose4_pi_s3", "pose4_yarn_s3", "pose16_yarn_s3", "large_base", "randomized"]]  # fmt: skip
 
 
 def test_study_names_map_to_model_and_seed():
@@ -188,6 +198,9 @@ def test_study_names_map_to_model_and_seed():
     assert study.model_and_seed("yarn_s3", 7) == ("yarn", 3)
     assert study.model_and_seed("pi", 7) == ("pi", 7)  # the first seed's fine-tune
     assert study.model_and_seed("large_base", 7) == ("large_base", 0)
+    assert study.model_and_seed("pose16_yarn", 7) == ("pose16_yarn", 7)
+    assert study.model_and_seed("pose4_pi_s3", 7) == ("pose4_pi", 3)
+    assert study.model_and_seed("randomized", 7) == ("randomized", 0)
 
 
 @pytest.mark.parametrize("finetune_seeds", [-1, 3, 1.5, True])
@@ -230,8 +243,9 @@ def test_study_rejects_bad_jobs_in_one_sentence(jobs):
 
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
-    """~6 minutes on 2 shared cores: seven tiny trainings (two seeds, both fine-tuned), twelve evaluations
-    on two corpora and six retrieval runs, each a subprocess."""
+    """~10 minutes on 2 shared cores: fourteen tiny trainings (two seeds, both fine-tuned at full length and
+    with PoSE; the large-base and randomized-positions bases), evaluations on two corpora and retrieval runs,
+    each a subprocess."""
     corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
     data = [
         "data=text_files",
@@ -253,7 +267,21 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     subprocess.run(command, check=True, cwd=ROOT)
     study_dir = tmp_path / "study"
     summary = (study_dir / "summary.md").read_text()
-    assert all(f"| {m} | " in summary for m in ("base/yarn", "pi/ckpt", "yarn/ckpt", "large_base/none"))
+    models = (
+        "base/yarn",
+        "pi/ckpt",
+        "yarn/ckpt",
+        "large_base/none",
+        "pose4_yarn/ckpt",
+        "pose16_yarn/ckpt",
+        "randomized/none",
+    )
+    assert all(f"| {m} | " in summary for m in models)
+    assert (
+        "trained extensions (seed 0), T = 512" in summary
+        and "### What each training buys (seed 0)" in summary
+    )
+    assert "| pose16_yarn | 10 | " in summary  # its cost row: the smoke's 10 steps
     assert "### own: perplexity" in summary and "### kjv: perplexity" in summary
     assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
     assert "| yarn/ckpt | 2 | " in summary  # and behind each fine-tune (yarn, yarn_s1)
@@ -272,9 +300,13 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     with open(study_dir / "paired_ppl.csv") as f:
         paired = list(csv.DictReader(f))
     n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
-    assert len(paired) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
+    base = [r for r in paired if r["model"] == "base"]
+    assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
+    # the best zero-shot method, pi, yarn, three PoSE fine-tunes, the large base and the randomized one
+    assert len(paired) - len(base) == 2 * 4 * 8 * 7 // 2
     again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
-    assert again.stdout.count("skipped") == 27  # resumable: every step's output exists
+    # resumable: every step's output exists (14 trainings, 14 models x 2 corpora evaluated, 13 retrievals)
+    assert again.stdout.count("skipped") == 14 + 28 + 13
 
 
 def test_study_tables_average_seeds_and_mark_only_significant_orderings():

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rope_llama.core.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from rope_llama.core.cli import build
+from rope_llama.data.positions import PositionsConfig
 from rope_llama.inference.samples import TextSample
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig
@@ -20,8 +21,8 @@ from rope_llama.training.loggers import csv_logger, finish_wandb
 from rope_llama.training.module import LitLlama
 from rope_llama.training.optim import OptimConfig, build_optimizer, lr_multiplier
 from rope_llama.training.throughput import matmul_dtype
-from tests.helpers import CONFIGS, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_callbacks, build_trainer, resume_command, run_summary, train
+from tests.helpers import CONFIGS, L0, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
+from train import build_callbacks, build_trainer, resume_command, run_summary, train, unmatched_pose_factor
 
 pytestmark = (
     pytest.mark.hardware
@@ -52,7 +53,7 @@ def options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "group", ["model", "rope", "data", "trainer", "logger", "callbacks", "optim", "experiment"]
+    "group", ["model", "rope", "data", "positions", "trainer", "logger", "callbacks", "optim", "experiment"]
 )
 def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -104,11 +105,45 @@ def test_extend_context_experiment_keeps_original_length(tmp_path):
     assert cfg.rope.factor == cfg.data.max_len / cfg.rope.original_max_len
 
 
+def test_pose_experiment_trains_short_windows_towards_a_matched_length(tmp_path):
+    cfg = compose_train(["experiment=pose", "rope=yarn"], tmp_path)
+    assert cfg.positions.kind == "pose" and cfg.data.positions.target_len == 1024 and cfg.data.max_len == 256
+    assert (
+        cfg.rope.scaling == "yarn" and cfg.rope.factor == cfg.positions.target_len / cfg.rope.original_max_len
+    )
+    extend = compose_train(["experiment=extend_context"], tmp_path / "extend")
+    assert cfg.trainer.max_steps == extend.trainer.max_steps  # the full-length fine-tune's steps
+    assert (
+        cfg.data.batch_size * cfg.data.max_len == extend.data.batch_size * extend.data.max_len
+    )  # and tokens
+
+
+def test_a_pose_factor_that_misses_the_target_is_noted():
+    pose = PositionsConfig("pose", 1024, 2)
+    assert unmatched_pose_factor(pose, RopeConfig(scaling="yarn", factor=4.0, original_max_len=256)) is None
+    assert unmatched_pose_factor(pose, RopeConfig()) is None  # the base's RoPE: nothing to match
+    assert unmatched_pose_factor(PositionsConfig(), RopeConfig(scaling="linear", factor=2.0)) is None
+    note = unmatched_pose_factor(pose, RopeConfig(scaling="linear", factor=2.0, original_max_len=256))
+    assert (
+        note == "note: PoSE trains towards 1024 tokens but rope.factor=2; target_len / original_max_len = 4."
+    )
+
+
 def test_invalid_combination_fails_with_one_sentence(tmp_path, corpus):
     base = tiny_overrides(tmp_path, corpus)
     for bad, message in [
         (["model.n_heads=3"], "must be divisible by n_heads (3)"),
         (["data.max_len=100000"], "max_len"),
+        (
+            ["positions=pose", "positions.target_len=16"],
+            "positions.target_len must be an integer >= data.max_len (32)",
+        ),
+        (
+            ["positions=pose", "positions.chunks=0"],
+            "positions.chunks must be an integer in [1, data.max_len=32], got 0.",
+        ),
+        (["positions=pose", "positions.chunks=33"], "got 33."),
+        (["positions=randomized", "positions.target_len=8"], "for randomized, got 8."),
     ]:
         proc = train_cli(*base, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert proc.returncode == 2, proc.stderr
@@ -152,11 +187,17 @@ def test_resume_command_repeats_the_runs_own_overrides():
     assert placed == "python train.py seed=3 'hydra.run.dir=/tmp/my run' ckpt_path=last"
 
 
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_resume_gives_identical_weights(tmp_path, corpus, optim, capsys):
-    """The learning-rate schedule past the resume point is part of it: a frozen LR diverges."""
+@pytest.mark.parametrize(
+    "optim, positions", [("adamw", "contiguous"), ("muon", "contiguous"), ("adamw", "pose")]
+)
+def test_resume_gives_identical_weights(tmp_path, corpus, optim, positions, capsys):
+    """The learning-rate schedule past the resume point is part of it: a frozen LR diverges. PoSE's
+    position ids are drawn per batch index, so they resume too."""
     # fp32 whatever the host: Muon's Newton-Schulz dtype follows the precision (test_optim covers both)
     keep_steps = ["callbacks.checkpoint.keep_all=true", f"optim={optim}", "trainer.precision=32-true"]
+    keep_steps += (
+        [f"positions={positions}", f"++positions.target_len={4 * L0}"] if positions == "pose" else []
+    )
     _, full = run_train(tmp_path, corpus, *keep_steps, name="full")
     said = "Muon's Newton-Schulz: float32 (optim.muon_dtype=auto)" in capsys.readouterr().out
     assert said == (optim == "muon")

@@ -4,6 +4,10 @@
     dm.prepare_data(); dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))   # (B, max_len) int64 each; y[:, t] == x[:, t + 1]
 
+A training batch is (inputs, targets[, target_weights[, position_ids]]), each (B, max_len): weights when
+recall windows weigh their targets (None when only position ids follow), position ids when `positions` is
+not contiguous (data/positions.py).
+
 Training batches are random windows; batch number i is a pure function of (seed, i), and the DataModule
 counts the batches the Lightning training loop has taken, so `state_dict()` / `load_state_dict()` (stored in
 checkpoints by Lightning) resume the exact batch stream. Validation/test use fixed contiguous windows.
@@ -23,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from rope_llama.data import DataError
 from rope_llama.data.cache import TokenCache, prepare
+from rope_llama.data.positions import PositionSampler, PositionsConfig
 from rope_llama.data.recall import RecallConfig, RecallMixer
 from rope_llama.data.tokenizer import Tokenizer
 
@@ -83,9 +88,11 @@ class RandomWindows(IterableDataset):
         seed: int,
         recall: RecallMixer | None = None,
         sampling: str = "random",
+        positions: PositionSampler | None = None,
     ):
         self.data, self.batch_size, self.max_len, self.seed = data, batch_size, max_len, seed
         self.sampling = sampling
+        self.positions = positions  # position ids per batch (data/positions.py); None = contiguous
         self._epoch_starts: tuple[int, np.ndarray] | None = None  # (epoch, its shuffled starts): built once
         self.recall = recall  # data.recall: turns some training windows into recall windows (data/recall.py)
         self.consumed = (
@@ -96,14 +103,18 @@ class RandomWindows(IterableDataset):
     def __len__(self) -> int:
         return max(1, self.data.n // (self.batch_size * self.max_len))
 
-    def batch(self, i: int) -> tuple[torch.Tensor, ...]:
+    def batch(self, i: int) -> tuple[torch.Tensor | None, ...]:
         """(input, target), each (B, L) int64, plus (B, L) loss weights when the recall windows weigh
-        their targets (data.recall.answer_weight or unstated_share)."""
+        their targets (data.recall.answer_weight or unstated_share), plus (B, L) int64 position ids
+        when they are not contiguous (the weights then None if the targets are unweighted)."""
         x, y = _window_pair(self.data.tokens, self.starts(i), self.max_len)
         # every rank builds the whole batch (its RNG draws are shared) and keeps its rows
         full = (x, y) if self.recall is None else self.recall.mix(i, x, y)
+        ids = None if self.positions is None else self.positions.batch(i)
+        if ids is not None:
+            full = (*full, ids) if len(full) == 3 else (*full, None, ids)
         rows = self.batch_size // self.world
-        return tuple(t[self.rank * rows : (self.rank + 1) * rows] for t in full)
+        return tuple(t if t is None else t[self.rank * rows : (self.rank + 1) * rows] for t in full)
 
     def starts(self, i: int) -> np.ndarray:
         """(B,) first tokens of batch i's windows; the last possible start is n - max_len - 1."""
@@ -186,6 +197,7 @@ class TextDataModule(L.LightningDataModule):
         token_dtype: str | None = None,
         recall: Mapping | None = None,
         sampling: str = "random",
+        positions: Mapping | None = None,
     ):
         super().__init__()
         if sampling not in SAMPLINGS:
@@ -205,6 +217,8 @@ class TextDataModule(L.LightningDataModule):
             raise DataError(
                 f"data.num_workers must be an integer >= 0 (0 = load in the main process), got {num_workers!r}."
             )
+        self.positions = PositionsConfig.from_options(_plain(positions) if positions is not None else None)
+        self.positions.check(max_len)  # refused before any run directory or cache is written
         # train.py logs the whole config; the data module's own hparams would overwrite its `seed`
         self.save_hyperparameters(logger=False)
         self.max_len, self.batch_size, self.num_workers, self.seed = max_len, batch_size, num_workers, seed
@@ -239,8 +253,15 @@ class TextDataModule(L.LightningDataModule):
                 if self.recall.fraction > 0 or self.recall.copy_fraction > 0
                 else None
             )
+            positions = PositionSampler(self.positions, self.batch_size, self.max_len, self.seed)
             self.train_set = RandomWindows(
-                _TokenFile(cache, "train"), self.batch_size, self.max_len, self.seed, mixer, self.sampling
+                _TokenFile(cache, "train"),
+                self.batch_size,
+                self.max_len,
+                self.seed,
+                mixer,
+                self.sampling,
+                positions,
             )
             self.train_set.consumed = self._resume_batches
 

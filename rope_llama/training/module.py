@@ -27,8 +27,10 @@ class NonFiniteLossError(RuntimeError):
 
 
 class LitLlama(L.LightningModule):
-    """Trains a Llama of `model_config` with `optim`; its checkpoints record the model config, the tokenizer
-    and `max_len` (core/checkpoint.py's format) so the model can be rebuilt from them alone."""
+    """Trains a Llama of `model_config` with `optim` on windows of `max_len` tokens; its checkpoints record the
+    model config, the tokenizer and `context_len` (as `max_len`, core/checkpoint.py's format: the length the
+    model is meant for, `max_len` unless PoSE trained it towards a longer one) so the model can be rebuilt
+    from them alone."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class LitLlama(L.LightningModule):
         tokenizer: Tokenizer | None = None,
         max_len: int | None = None,
         chars_per_token: float | None = None,
+        context_len: int | None = None,
         log_every_n_steps: int = 10,
     ):
         super().__init__()
@@ -51,7 +54,9 @@ class LitLlama(L.LightningModule):
         self.max_steps = max_steps
         self.compile_model = compile
         self.tokenizer = tokenizer
-        self.max_len = max_len
+        self.max_len = max_len  # the training windows' length
+        # the length checkpoints record as the model's: a PoSE fine-tune's target (data/positions.py)
+        self.context_len = context_len or max_len
         self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
         self.log_every_n_steps = log_every_n_steps
         self._tokens_since, self._time_since, self._peak_flops = 0, None, None
@@ -65,10 +70,12 @@ class LitLlama(L.LightningModule):
         return self.model(idx, position_ids=position_ids, kv_cache=kv_cache)
 
     def _loss(self, batch) -> torch.Tensor:
-        # (B, L) each, targets shifted by one; a third (B, L) tensor weighs each target (data.recall)
-        inputs, targets, *weights = batch
-        target_weights = weights[0] if weights else None
-        return self.model(inputs, targets=targets, target_weights=target_weights)  # fused by kernels/loss.py
+        # (B, L) each, targets shifted by one; then optionally each target's weight (data.recall, or None)
+        # and the tokens' position ids (data/positions.py): the datamodule's batch contract
+        inputs, targets, target_weights, position_ids = (*batch, None, None)[:4]
+        return self.model(  # the loss is fused by kernels/loss.py
+            inputs, position_ids=position_ids, targets=targets, target_weights=target_weights
+        )
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -89,9 +96,10 @@ class LitLlama(L.LightningModule):
         as one process computes it. Unweighted, every process has the same number of targets: the plain
         average is already the batch mean."""
         world = self.trainer.world_size
-        if len(batch) < 3 or world == 1:
+        weights = (*batch, None)[2]
+        if weights is None or world == 1:
             return 1.0
-        local = batch[2].sum(dtype=torch.float32)
+        local = weights.sum(dtype=torch.float32)
         total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")  # all_reduce works in place
         return local * world / total
 
@@ -166,4 +174,4 @@ class LitLlama(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint.update(format_entries(self.config, self.tokenizer, self.max_len))
+        checkpoint.update(format_entries(self.config, self.tokenizer, self.context_len))
