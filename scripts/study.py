@@ -15,8 +15,9 @@ continues from its checkpoints/last.ckpt with ckpt_path=last):
      pi, yarn from the first seed's base, pi_s<k>, yarn_s<k> from seed k's), evaluate their own RoPE
   4. train a model with a larger RoPE base (seed 0), evaluate it with `none`; with `pose`, fine-tune the same
      bases with PoSE (experiment=pose: 256-token windows whose position ids span 4L or 16L, same steps and
-     tokens as the full-length fine-tunes: pose4_pi, pose4_yarn, pose16_yarn); with `randomized`, train a base
-     from scratch on randomized position ids (experiment=randomized_positions, seed 0: randomized)
+     tokens as the full-length fine-tunes; the base's RoPE, PI or YaRN: pose4_none, pose4_pi, ..., pose16_yarn);
+     with `randomized`, train a base from scratch on randomized position ids (experiment=randomized_positions,
+     seed 0: randomized)
   5. the retrieval suite (passkey, multi-key, variable tracking) on every base and fine-tuned model
   6. out/summary.md: per corpus, mean and across-seed range per method and length; paired
      comparisons (bootstrap over documents x seeds, or prompts' depths x seeds) marking the
@@ -109,9 +110,10 @@ SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.ma
 SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
-# PoSE fine-tunes: (target length / L, RoPE scaling matched to it); run pose<factor>_<scaling>
-POSE_FINETUNES = ((4, "linear"), (4, "yarn"), (16, "yarn"))
-SCALING_NAMES = {"linear": "pi", "yarn": "yarn"}
+# PoSE fine-tunes: (target length / L, RoPE scaling: the base's, or PI / YaRN matched to the target); runs
+# pose<factor>_<none|pi|yarn>
+POSE_FINETUNES = tuple((factor, scaling) for factor in (4, 16) for scaling in ("none", "linear", "yarn"))
+SCALING_NAMES = {"none": "none", "linear": "pi", "yarn": "yarn"}
 REACH_TOLERANCE = 1.05  # a length is reached while perplexity stays within 5% of the base's at L
 SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hundred tokens with a tiny BPE
 RANDOMIZED = "randomized"  # the randomized-positions base's run
@@ -652,11 +654,8 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     }
     for k in finetuned if cfg.pose else ():
         for factor, scaling in POSE_FINETUNES:
-            pose_args = (
-                f"rope={scaling}",
-                f"rope.factor={factor}",
-                f"positions.target_len={factor * base_len}",
-            )
+            matched = () if scaling == "none" else (f"rope.factor={factor}",)  # none keeps the base's RoPE
+            pose_args = (f"rope={scaling}", *matched, f"positions.target_len={factor * base_len}")
             smoke = [
                 "rope.original_max_len=32",
                 "trainer.max_steps=10",

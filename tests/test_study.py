@@ -141,12 +141,21 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
     study.run(study.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
     starts = [e for e in events if e[0] == "start"]
     assert max(e[3] for e in starts) == 3  # three at once, never four
-    # trainings (2 bases, pi, yarn, 3 PoSE, large base, randomized), evaluations, retrievals (no large base)
-    assert len(starts) == len({(e[1], e[2]) for e in starts}) == 9 + 9 + 8
+    # trainings (2 bases, pi, yarn, 6 PoSE, large base, randomized), evaluations, retrievals (no large base)
+    assert len(starts) == len({(e[1], e[2]) for e in starts}) == 12 + 12 + 11
     assert set(envs) == {(str(max(1, (os.cpu_count() or 1) // 3)), tmp_path / "logs")}
     order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "train.py"]
     base_end = order.index(("end", "base_s0"))
-    for finetune in ("pi", "yarn", "pose4_pi", "pose4_yarn", "pose16_yarn"):
+    for finetune in (
+        "pi",
+        "yarn",
+        "pose4_none",
+        "pose4_pi",
+        "pose4_yarn",
+        "pose16_none",
+        "pose16_pi",
+        "pose16_yarn",
+    ):
         assert base_end < order.index(("start", finetune))
 
 
@@ -174,23 +183,25 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
     cfg = study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
     study.run(cfg, [])
     order = [(e[0], e[2]) for e in events if e[1] == "train.py"]
-    finetunes = [(name, "base_s7") for name in ("pi", "yarn", "pose4_pi", "pose4_yarn", "pose16_yarn")]
-    finetunes += [
-        (name, "base_s3") for name in ("pi_s3", "yarn_s3", "pose4_pi_s3", "pose4_yarn_s3", "pose16_yarn_s3")
-    ]
+    pose = [f"pose{f}_{r}" for f in (4, 16) for r in ("none", "pi", "yarn")]
+    finetunes = [(name, "base_s7") for name in ("pi", "yarn", *pose)]
+    finetunes += [(name, "base_s3") for name in ("pi_s3", "yarn_s3", *(f"{p}_s3" for p in pose))]
     for name, base in finetunes:
         command = commands["train.py", name]
         assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
         assert ("rope=yarn" in command) == ("yarn" in name)
         assert order.index(("end", base)) < order.index(("start", name))
-        if name.startswith("pose"):  # PoSE towards factor x L, its RoPE factor matched
+        if name.startswith("pose"):  # PoSE towards factor x L, its RoPE factor matched (none: the base's)
             factor = int(name[4 : name.index("_")])
-            assert "experiment=[recall_base,pose]" in command and f"rope.factor={factor}" in command
-            assert f"positions.target_len={factor * 256}" in command
+            assert (
+                "experiment=[recall_base,pose]" in command
+                and f"positions.target_len={factor * 256}" in command
+            )
+            assert (f"rope.factor={factor}" in command) == ("none" not in name)
     assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
     assert "experiment=[recall_base,randomized_positions]" in commands["train.py", "randomized"]
-    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", "pose4_pi", "pose4_yarn",
-                           "pose16_yarn", "pose4_pi_s3", "pose4_yarn_s3", "pose16_yarn_s3", "large_base", "randomized"]]  # fmt: skip
+    assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", *pose, *(f"{p}_s3" for p in pose),
+                           "large_base", "randomized"]]  # fmt: skip
 
 
 def test_study_names_map_to_model_and_seed():
@@ -243,7 +254,7 @@ def test_study_rejects_bad_jobs_in_one_sentence(jobs):
 
 @pytest.mark.slow
 def test_study_smoke_runs_every_step_and_resumes(tmp_path):
-    """~10 minutes on 2 shared cores: fourteen tiny trainings (two seeds, both fine-tuned at full length and
+    """~4 minutes on 2 shared cores: twenty tiny trainings (two seeds, both fine-tuned at full length and
     with PoSE; the large-base and randomized-positions bases), evaluations on two corpora and retrieval runs,
     each a subprocess."""
     corpus = small_corpus(tmp_path / "corpus", n_files=8, chars=12000)
@@ -302,11 +313,11 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
     base = [r for r in paired if r["model"] == "base"]
     assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
-    # the best zero-shot method, pi, yarn, three PoSE fine-tunes, the large base and the randomized one
-    assert len(paired) - len(base) == 2 * 4 * 8 * 7 // 2
+    # the best zero-shot method, pi, yarn, six PoSE fine-tunes, the large base and the randomized one
+    assert len(paired) - len(base) == 2 * 4 * 11 * 10 // 2
     again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
-    # resumable: every step's output exists (14 trainings, 14 models x 2 corpora evaluated, 13 retrievals)
-    assert again.stdout.count("skipped") == 14 + 28 + 13
+    # resumable: every step's output exists (20 trainings, 20 models x 2 corpora evaluated, 19 retrievals)
+    assert again.stdout.count("skipped") == 20 + 40 + 19
 
 
 def test_study_tables_average_seeds_and_mark_only_significant_orderings():
