@@ -204,7 +204,9 @@ def test_resume_gives_identical_weights(tmp_path, corpus, optim, positions, caps
     mid = full / "checkpoints" / "step000010.ckpt"
     assert mid.is_file()
     _, resumed = run_train(tmp_path, corpus, *keep_steps, f"ckpt_path={mid}", name="resumed")
-    assert safe_load(resumed / "checkpoints" / "last.ckpt")["global_step"] == 20
+    last = safe_load(resumed / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 20
+    assert last["max_len"] == (4 * L0 if positions == "pose" else L0)  # PoSE's checkpoint records its target
     a, b = last_weights(full), last_weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
