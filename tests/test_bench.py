@@ -223,3 +223,25 @@ def test_auto_training_precisions_add_bf16_only_where_it_is_native(
     monkeypatch.setattr(training, "bf16_is_native", lambda accelerator: (native, "the reason"))
     assert training.resolve_train_precisions(names, torch.device("cpu")) == expected
     assert ("the reason" in capsys.readouterr().err) == ("auto" in names)
+
+
+def test_bench_prepare_measures_each_engine_and_refuses_bad_arguments(tmp_path):
+    """tools/bench_prepare.py: a table row per engine and worker count (an engine that is not installed is
+    reported); a bad argument is one sentence with exit status 2."""
+    from tests.helpers import text_tokenizer
+
+    tokenizer = text_tokenizer(tmp_path).path
+    tool = [sys.executable, str(ROOT / "tools" / "bench_prepare.py")]
+    run = subprocess.run([*tool, f"tokenizer={tokenizer}", "copies=1", "workers=[1]", "engines=[datasets,litdata]"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| datasets | 1 | ")]
+    assert len(rows) == 1 and int(rows[0].split("|")[3].replace(",", "")) > 100_000  # tokens written
+    assert "| litdata | 1 | " in run.stdout  # measured, or "not importable" where LitData is absent
+    bad = subprocess.run(
+        [*tool, f"tokenizer={tokenizer}", "engines=[arrow]"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2
+        and bad.stderr.strip() == "error: engines ['arrow'] are unknown; valid are datasets, litdata."
+    )
