@@ -705,10 +705,11 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
         evaluate("large_base", large, "[none]")
 
-    # the fine-tunes' lanes come after the bases' lanes: they wait for their base's training
+    # after the bases, the longest lanes first (a base trained from scratch takes twice a fine-tune's lane), so
+    # that they do not end the study alone on one core; the fine-tunes fill the other workers
     extra = [randomized_lane] if cfg.randomized else []
-    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds),
-                     *(lambda name=name: extend_lane(name) for name in finetunes), large_base_lane, *extra])  # fmt: skip
+    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), large_base_lane, *extra,
+                     *(lambda name=name: extend_lane(name) for name in finetunes)])  # fmt: skip
     models = [*bases, *finetunes, "large_base", *([RANDOMIZED] if cfg.randomized else [])]
     summarise(cfg, out, models, base_len, train_extra, seeds)
 

@@ -62,6 +62,14 @@ def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
     assert not (tmp_path / "eval" / "kjv" / "base_s0" / study.DONE).exists()  # the failed step: no marker
 
 
+def finished(out: Path, name: str, corpora: tuple[str, ...] = ("own", "kjv")) -> None:
+    """Mark a study run as trained, evaluated on `corpora` and retrieved, as a finished study leaves it."""
+    for done in [out / "runs" / name / study.TRAINED, out / "retrieval" / name / study.DONE,
+                 *(out / "eval" / corpus / name / study.DONE for corpus in corpora)]:  # fmt: skip
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.touch()
+
+
 def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     """With recipe=recall_base the PI/YaRN fine-tunes start from a base with previous-token mixing, so
     their composed config must keep the recipe's model (and data) settings and add extend_context's."""
@@ -72,14 +80,12 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(command, returncode=1)  # stop the study after this step
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
-    base = tmp_path / "runs" / "base_s0"
-    base.mkdir(parents=True)
-    (base / study.TRAINED).touch()
-    for corpus in ("own", "kjv"):  # base_s0's evaluations and retrieval are done: the PI fine-tune runs next
-        (tmp_path / "eval" / corpus / "base_s0").mkdir(parents=True)
-        (tmp_path / "eval" / corpus / "base_s0" / study.DONE).touch()
-    (tmp_path / "retrieval" / "base_s0").mkdir(parents=True)
-    (tmp_path / "retrieval" / "base_s0" / study.DONE).touch()
+    for name in (
+        "base_s0",
+        "large_base",
+        study.RANDOMIZED,
+    ):  # trained and evaluated: the PI fine-tune runs next
+        finished(tmp_path, name)
     monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
         study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
@@ -108,6 +114,8 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
     for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
         (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
         (tmp_path / "runs" / f"base_s{seed}" / study.TRAINED).touch()
+    for name in ("large_base", study.RANDOMIZED):  # the lanes that run before the fine-tunes: done
+        finished(tmp_path, name, corpora=("own",))
     commands.clear()
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
         study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
