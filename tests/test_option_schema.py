@@ -10,6 +10,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+from rope_llama.data.positions import PositionsConfig
 from rope_llama.inference.generation import SamplingConfig
 from rope_llama.inference.samples import TextSample
 from rope_llama.training.optim import OptimConfig
@@ -72,8 +73,13 @@ def build_sample(name: str, value):
     TextSample(**(args | {name: value}))
 
 
+def build_positions(name: str, value):
+    PositionsConfig(**{"kind": "pose", "target_len": 64, "chunks": 2, name: value}).check(32)
+
+
 CASES = (
     [(f"optim.{n}", build_optim, n) for n in OPTIM]
+    + [(f"positions.{n}", build_positions, n) for n in ("target_len", "chunks")]
     + [(f"trainer.{n}", build_trainer, n) for n in TRAINER]
     + [(f"sample.{n}", build_sample, n) for n in ("max_new_tokens", "temperature", "top_k")]
 )
