@@ -82,9 +82,8 @@ def pose_position_ids(
     room = target_len - length
     ids = np.empty((rows, length), np.int64)
     for r in range(rows):
-        cuts = np.sort(
-            rng.choice(np.arange(1, length), chunks - 1, replace=False)
-        )  # chunk starts after the first
+        # where chunks 2..N start: distinct cut points inside the window
+        cuts = np.sort(rng.choice(np.arange(1, length), chunks - 1, replace=False))
         sizes = np.diff(np.concatenate([[0], cuts, [length]]))
         skips = np.zeros(chunks, np.int64)
         for c in range(1, chunks):  # u_c ~ U{u_(c-1), ..., room}: skips never decrease
