@@ -110,6 +110,7 @@ SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.ma
                "sample.max_new_tokens=0"]  # fmt: skip
 SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
+SMOKE_POSE = ["rope.original_max_len=32", "trainer.max_steps=10", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
 # PoSE fine-tunes: (target length / L, RoPE scaling: the base's, or PI / YaRN matched to the target); runs
 # pose<factor>_<none|pi|yarn>
@@ -324,23 +325,24 @@ def reach(ppl: dict[int, float], threshold: float, max_len: int) -> int | None:
     return reached
 
 
+def seed_perplexities(rows: list[dict], seed: int) -> dict[str, dict[int, float]]:
+    """{model/method: {length: perplexity over its windows}} of `seed`'s evaluation rows."""
+    losses = defaultdict(lambda: defaultdict(list))
+    for w in rows:
+        if w["seed"] == seed:
+            losses[w["model"] + "/" + w["method"]][w["length"]].append(w["loss"])
+    return {
+        n: {t: float(np.exp(np.mean(v))) for t, v in by_length.items()} for n, by_length in losses.items()
+    }
+
+
 def cost_table(out: Path, windows: dict[str, list[dict]], models: list[str], max_len: int, seed: int) -> str:
     """Markdown: for each training of `seed` (and the base's best zero-shot method, at no cost), its cost
     and, per corpus, the length it reaches (REACH_TOLERANCE x the base's `none` perplexity at the training
     length) with its perplexity at 4L and at the longest length."""
 
-    def ppl_by_length(rows: list[dict], name: str) -> dict[int, float]:
-        losses = defaultdict(list)
-        for w in rows:
-            if w["seed"] == seed and w["model"] + "/" + w["method"] == name:
-                losses[w["length"]].append(w["loss"])
-        return {t: float(np.exp(np.mean(v))) for t, v in losses.items()}
-
     corpora = list(windows)
-    ppl = {
-        c: {n: ppl_by_length(rows, n) for n in {w["model"] + "/" + w["method"] for w in rows}}
-        for c, rows in windows.items()
-    }
+    ppl = {c: seed_perplexities(rows, seed) for c, rows in windows.items()}
     thresholds = {
         c: REACH_TOLERANCE * ppl[c].get("base/none", {}).get(max_len, float("nan")) for c in corpora
     }
@@ -352,11 +354,9 @@ def cost_table(out: Path, windows: dict[str, list[dict]], models: list[str], max
         at = " / ".join(f"{curve[t]:.1f}" if t in curve else "-" for t in shown)
         return f"{reach(curve, thresholds[c], max_len) or '-'} ({at})"
 
-    lines = []
-    zero_shot = []
-    for (
-        c
-    ) in corpora:  # the best zero-shot method: the one reaching furthest, then the lowest perplexity there
+    lines, zero_shot = [], []
+    # the best zero-shot method: the one reaching furthest, then the lowest perplexity there
+    for c in corpora:
         curves = {n: curve for n, curve in ppl[c].items() if n.startswith("base/")}
         reaches = {n: reach(curve, thresholds[c], max_len) or 0 for n, curve in curves.items()}
         best = max(reaches, key=lambda n: (reaches[n], -curves[n].get(reaches[n], np.inf)), default=None)
@@ -655,16 +655,8 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
         for factor, scaling in POSE_FINETUNES:
             matched = () if scaling == "none" else (f"rope.factor={factor}",)  # none keeps the base's RoPE
             pose_args = (f"rope={scaling}", *matched, f"positions.target_len={factor * base_len}")
-            smoke = [
-                "rope.original_max_len=32",
-                "trainer.max_steps=10",
-                "optim.warmup_steps=2",
-            ]  # base_len 32
-            finetunes[f"pose{factor}_{SCALING_NAMES[scaling]}{suffix(k)}"] = (
-                f"base_s{k}",
-                "pose",
-                (*pose_args, *(smoke if cfg.smoke else [])),
-            )
+            name = f"pose{factor}_{SCALING_NAMES[scaling]}{suffix(k)}"
+            finetunes[name] = (f"base_s{k}", "pose", (*pose_args, *(SMOKE_POSE if cfg.smoke else [])))
 
     def base_lane(seed: int) -> None:
         name = f"base_s{seed}"
@@ -689,14 +681,8 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
 
     def randomized_lane() -> None:
         # target_len: the longest evaluated length, as the paper's L_max covers the test lengths
-        positions = [f"positions.target_len={max(lengths)}"]
-        run_dir = train(
-            RANDOMIZED,
-            *experiment("randomized_positions"),
-            f"data.max_len={base_len}",
-            "rope=none",
-            *positions,
-        )
+        args = (*experiment("randomized_positions"), f"data.max_len={base_len}", "rope=none")
+        run_dir = train(RANDOMIZED, *args, f"positions.target_len={max(lengths)}")
         evaluate(RANDOMIZED, run_dir, "[none]")
         retrieve(RANDOMIZED, run_dir, "[none]")
 

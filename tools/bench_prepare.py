@@ -72,17 +72,17 @@ def run_datasets(paths: list[str], tokenizer_file: str, workers: int, out: Path)
         "text", data_files=paths, sample_by="paragraph", split="train", cache_dir=str(out / "hf")
     )
     ds = ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
-    buffer, total, shard = [], 0, 0
+    buffer, buffered, total, shard = [], 0, 0, 0
     for row in ds.with_format("numpy").iter(batch_size=1024):
         for ids in row["ids"]:
             buffer.append(np.asarray(ids, np.uint16))
-            total += len(ids)
-        if sum(map(len, buffer)) >= SHARD_TOKENS:
+            buffered += len(ids)
+        if buffered >= SHARD_TOKENS:
             np.concatenate(buffer).tofile(out / f"shard_{shard:05d}.bin")
-            buffer, shard = [], shard + 1
+            total, buffer, buffered, shard = total + buffered, [], 0, shard + 1
     if buffer:
         np.concatenate(buffer).tofile(out / f"shard_{shard:05d}.bin")
-    return total
+    return total + buffered
 
 
 class TokenizeFile:
