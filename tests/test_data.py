@@ -14,6 +14,7 @@ import rope_llama.data.cache as cache_mod
 from rope_llama.data import DataError
 from rope_llama.data.cache import invalid_reason, prepare
 from rope_llama.data.markdown import play_to_text
+from rope_llama.data.shards import Store
 from rope_llama.data.sources import carve_holdout, load_documents, shakespeare_plays
 from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
 from tests.helpers import garbage, overwrite_bytes, plain_play, small_source, text_corpus
@@ -151,7 +152,7 @@ def test_cache_layout_and_reuse_without_tokenizing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the second prepare must not read or tokenize")
 
-    monkeypatch.setattr(cache_mod, "load_documents", boom)
+    monkeypatch.setattr(cache_mod, "stream_documents", boom)
     monkeypatch.setattr(Tokenizer, "encode_batch", boom)
     t0 = time.perf_counter()
     second = prepare(source, VOCAB, cache_root=str(tmp_path / "cache"))
@@ -162,32 +163,48 @@ def test_cache_layout_and_reuse_without_tokenizing(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        ("truncate_bin", "train.bin is missing or is not"),
-        ("edit_meta", "val.bin is missing or is not"),
-        ("random_bytes", "train.bin does not match its content hash"),
-        ("zeros", "train.bin does not match its content hash"),
+        ("truncate_bin", "train-00000.bin is missing or is not"),
+        ("edit_meta", "val-00000.bin is missing or is not"),
     ],
 )
-def test_cache_corruption_is_detected_and_rebuilt(tmp_path, capsys, damage, reason):
+def test_cache_size_damage_is_detected_at_open_and_rebuilt(tmp_path, capsys, damage, reason):
     source, root = small_source(tmp_path), str(tmp_path / "cache")
     good = prepare(source, VOCAB, cache_root=root)
     expected = np.array(good.tokens("train"))
-    train_bin = os.path.join(good.dir, "train.bin")
+    train_bin = os.path.join(good.dir, "train-00000.bin")
     if damage == "truncate_bin":
         with open(train_bin, "r+b") as f:
             f.truncate(os.path.getsize(f.name) - 2)
-    elif damage == "edit_meta":
+    else:
         meta_path = os.path.join(good.dir, "meta.json")
         meta = json.load(open(meta_path))
-        meta["splits"]["val"]["tokens"] += 1
+        meta["splits"]["val"]["shards"][0]["tokens"] += 1
         json.dump(meta, open(meta_path, "w"))
-    else:
-        overwrite_bytes(train_bin, expected.nbytes // 2, garbage(damage, 64))
-        assert os.path.getsize(train_bin) == expected.nbytes
     capsys.readouterr()
     rebuilt = prepare(source, VOCAB, cache_root=root)
     out = capsys.readouterr().out
-    assert rebuilt.built and f"not valid ({reason}" in out and "rebuilding" in out
+    assert rebuilt.built and f"not complete ({reason}" in out
+    assert np.array_equal(rebuilt.tokens("train"), expected)
+
+
+@pytest.mark.parametrize("damage", ["random_bytes", "zeros"])
+def test_damaged_shard_is_refused_at_first_use_and_rebuilt_by_verify(tmp_path, capsys, damage):
+    source, root = small_source(tmp_path), str(tmp_path / "cache")
+    good = prepare(source, VOCAB, cache_root=root)
+    expected = np.array(good.tokens("train"))
+    train_bin = os.path.join(good.dir, "train-00000.bin")
+    overwrite_bytes(train_bin, expected.nbytes // 2, garbage(damage, 64))
+    assert os.path.getsize(train_bin) == expected.nbytes
+    opened = prepare(source, VOCAB, cache_root=root)  # opening reads no shard
+    assert not opened.built
+    with pytest.raises(
+        DataError, match=r"^token shard .*train-00000\.bin does not match its hash in meta\.json"
+    ):
+        opened.tokens("train").read(0, 1)
+    capsys.readouterr()
+    rebuilt = prepare(source, VOCAB, cache_root=root, verify=True)
+    out = capsys.readouterr().out
+    assert rebuilt.built and "not complete (train-00000.bin does not match its content hash" in out
     assert np.array_equal(rebuilt.tokens("train"), expected)
 
 
@@ -195,19 +212,21 @@ def test_token_id_outside_the_vocabulary_is_refused_even_with_a_matching_hash(tm
     source, root = small_source(tmp_path), str(tmp_path / "cache")
     good = prepare(source, VOCAB, cache_root=root)
     expected = np.array(good.tokens("train"))
-    train_bin, meta_path = os.path.join(good.dir, "train.bin"), os.path.join(good.dir, "meta.json")
+    train_bin, meta_path = os.path.join(good.dir, "train-00000.bin"), os.path.join(good.dir, "meta.json")
     overwrite_bytes(
         train_bin, len(expected) // 2 * good.dtype.itemsize, np.array([VOCAB], good.dtype).tobytes()
     )
     meta = json.load(open(meta_path))
-    meta["splits"]["train"]["xxh3_64"] = cache_mod.scan_tokens(train_bin, good.dtype)[0]  # forge the hash
-    json.dump(meta, open(meta_path, "w"))
+    meta["splits"]["train"]["shards"][0]["xxh3_64"] = Store(good.dir).scan("train-00000.bin", good.dtype)[0]
+    json.dump(meta, open(meta_path, "w"))  # forged: the hash matches, the id does not fit
+    with pytest.raises(DataError, match="does not match its hash"):
+        prepare(source, VOCAB, cache_root=root).tokens("train").read(0, 1)
     capsys.readouterr()
-    rebuilt = prepare(source, VOCAB, cache_root=root)
+    rebuilt = prepare(source, VOCAB, cache_root=root, verify=True)
     out = capsys.readouterr().out
     assert (
         rebuilt.built
-        and f"train.bin holds token id {VOCAB}, outside the tokenizer's vocabulary of {VOCAB}" in out
+        and f"train-00000.bin holds token id {VOCAB}, outside the tokenizer's vocabulary of {VOCAB}" in out
     )
     assert np.array_equal(rebuilt.tokens("train"), expected)
 
@@ -222,9 +241,9 @@ def test_crash_before_metadata_leaves_no_valid_cache(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepare(source, VOCAB, cache_root=root)
     (directory,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    assert os.path.isfile(directory / "train.bin") and not os.path.exists(directory / "meta.json")
+    assert os.path.isfile(directory / "train-00000.bin") and not os.path.exists(directory / "meta.json")
     assert not list(directory.glob("*.tmp"))
-    assert invalid_reason(str(directory), "any key") == "meta.json is missing"
+    assert invalid_reason(Store(str(directory)), "any key") == "meta.json is missing"
     monkeypatch.undo()
     assert prepare(source, VOCAB, cache_root=root).built
 
@@ -249,7 +268,9 @@ def test_two_processes_prepare_the_same_cache(tmp_path):
     assert sorted(built for built, _, _ in outcomes) == [False, True]  # exactly one process built it
     assert len({(d, sha) for _, d, sha in outcomes}) == 1
     assert (
-        invalid_reason(outcomes[0][1], json.load(open(os.path.join(outcomes[0][1], "meta.json")))["key"])
+        invalid_reason(
+            Store(outcomes[0][1]), json.load(open(os.path.join(outcomes[0][1], "meta.json")))["key"]
+        )
         is None
     )
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rope_llama.data import DataError
+from rope_llama.data.cache import prepare
 from rope_llama.data.tokenizer import Tokenizer
 from tests.helpers import garbage, overwrite_bytes, small_source
 
@@ -225,11 +226,17 @@ def test_resume_from_checkpoint_sees_the_same_batches(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["random_bytes", "zeros"])
-def test_training_on_a_corrupted_cache_rebuilds_it_and_sees_the_clean_batches(tmp_path, damage):
+def test_training_on_a_damaged_shard_is_refused_and_verify_rebuilds_it(tmp_path, damage):
     dm = _dm(tmp_path)
     clean = _fit(dm, 2)
-    train_bin = os.path.join(dm.cache.dir, "train.bin")
+    train_bin = os.path.join(dm.cache.dir, "train-00000.bin")
     overwrite_bytes(train_bin, 0, garbage(damage, os.path.getsize(train_bin)))
+    with pytest.raises(DataError, match=r"^token shard .*train-00000\.bin does not match its hash") as error:
+        _fit(_dm(tmp_path, source=dm.source), 2)
+    assert len(str(error.value).splitlines()) == 1
+    hp = dm.hparams
+    # what scripts/prepare_data.py runs
+    prepare(dm.source, hp.vocab_size, cache_root=hp.cache_dir, verify=True)
     after = _fit(_dm(tmp_path, source=dm.source), 2)
     assert len(after) == len(clean) == 2 and all(torch.equal(a, b) for a, b in zip(after, clean))
 

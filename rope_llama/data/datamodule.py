@@ -26,38 +26,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from rope_llama.data import DataError
-from rope_llama.data.cache import TokenCache, prepare
+from rope_llama.data.cache import SHARD_TOKENS, TOKENIZER_SAMPLE_CHARS, TokenCache, prepare
 from rope_llama.data.positions import PositionSampler, PositionsConfig
 from rope_llama.data.recall import RecallConfig, RecallMixer
+from rope_llama.data.shards import ShardedTokens
 from rope_llama.data.tokenizer import Tokenizer
 
 
-class _TokenFile:
-    """Picklable handle on a split's token file; memory-maps lazily (a pickled memmap copies its data)."""
-
-    def __init__(self, cache: TokenCache, split: str):
-        self.cache_dir, self.split, self.n = cache.dir, split, cache.meta["splits"][split]["tokens"]
-        self.dtype = cache.dtype
-        self._tokens = None
-
-    def __getstate__(self):
-        return {**self.__dict__, "_tokens": None}
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            path = f"{self.cache_dir}/{self.split}.bin"
-            self._tokens = (
-                np.memmap(path, dtype=self.dtype, mode="r", shape=(self.n,))
-                if self.n
-                else np.empty(0, self.dtype)
-            )
-        return self._tokens
-
-
-def _window_pair(tokens: np.ndarray, starts: np.ndarray, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_pair(
+    tokens: ShardedTokens, starts: np.ndarray, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Windows of max_len + 1 tokens at `starts` (B,) -> input (B, max_len), target (B, max_len) int64."""
-    w = torch.from_numpy(np.stack([tokens[s : s + max_len + 1] for s in starts]).astype(np.int64))
+    w = torch.from_numpy(np.stack([tokens.read(int(s), max_len + 1) for s in starts]).astype(np.int64))
     return w[:, :-1], w[:, 1:]
 
 
@@ -82,7 +62,7 @@ class RandomWindows(IterableDataset):
 
     def __init__(
         self,
-        data: _TokenFile,
+        data: ShardedTokens,
         batch_size: int,
         max_len: int,
         seed: int,
@@ -107,7 +87,7 @@ class RandomWindows(IterableDataset):
         """(input, target), each (B, L) int64, plus (B, L) loss weights when the recall windows weigh
         their targets (data.recall.answer_weight or unstated_share), plus (B, L) int64 position ids
         when they are not contiguous (the weights then None if the targets are unweighted)."""
-        x, y = _window_pair(self.data.tokens, self.starts(i), self.max_len)
+        x, y = _window_pair(self.data, self.starts(i), self.max_len)
         # every rank builds the whole batch (its RNG draws are shared) and keeps its rows
         full = (x, y) if self.recall is None else self.recall.mix(i, x, y)
         ids = None if self.positions is None else self.positions.batch(i)
@@ -152,7 +132,7 @@ class ContiguousWindows(Dataset):
 
     def __init__(
         self,
-        data: _TokenFile,
+        data: ShardedTokens,
         max_len: int,
         max_windows: int | None = None,
         batch_size: int = 1,
@@ -175,7 +155,7 @@ class ContiguousWindows(Dataset):
 
     def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = np.array([self.window(k) * self.max_len])
-        x, y = _window_pair(self.data.tokens, start, self.max_len)
+        x, y = _window_pair(self.data, start, self.max_len)
         return x[0], y[0]
 
 
@@ -198,6 +178,8 @@ class TextDataModule(L.LightningDataModule):
         recall: Mapping | None = None,
         sampling: str = "random",
         positions: Mapping | None = None,
+        shard_tokens: int = SHARD_TOKENS,
+        tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     ):
         super().__init__()
         if sampling not in SAMPLINGS:
@@ -235,7 +217,15 @@ class TextDataModule(L.LightningDataModule):
     def _prepare(self) -> TokenCache:
         if self.cache is None:
             hp = self.hparams
-            self.cache = prepare(self.source, hp.vocab_size, hp.tokenizer_path, hp.cache_dir, hp.token_dtype)
+            self.cache = prepare(
+                self.source,
+                hp.vocab_size,
+                hp.tokenizer_path,
+                hp.cache_dir,
+                hp.token_dtype,
+                hp.shard_tokens,
+                hp.tokenizer_sample_chars,
+            )
         return self.cache
 
     def setup(self, stage: str | None = None) -> None:
@@ -255,7 +245,7 @@ class TextDataModule(L.LightningDataModule):
             )
             positions = PositionSampler(self.positions, self.batch_size, self.max_len, self.seed)
             self.train_set = RandomWindows(
-                _TokenFile(cache, "train"),
+                cache.tokens("train"),
                 self.batch_size,
                 self.max_len,
                 self.seed,
@@ -300,7 +290,7 @@ class TextDataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader:
         cap = None if self.val_max_batches is None else self.val_max_batches * self.val_batch_size
         rank, world = self._shard()
-        tokens = _TokenFile(self._prepare(), split)
+        tokens = self._prepare().tokens(split)
         windows = ContiguousWindows(tokens, self.max_len, cap, self.val_batch_size, rank, world)
         return DataLoader(
             windows, batch_size=self.val_batch_size // world, shuffle=False, num_workers=self.num_workers

