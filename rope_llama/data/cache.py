@@ -300,7 +300,7 @@ def _tokenize(source: dict, tokenizer: Tokenizer, writers: dict[str, ShardWriter
     """Stream the source through the workers into the writers; returns the tokens written."""
     bar = tqdm(total=source_chars(source), unit="char", unit_scale=True, desc="preparing")
     t0, tokens, block, chars = time.perf_counter(), 0, [], 0
-    encode = BlockEncoder(tokenizer, workers)
+    encode = BlockEncoder(tokenizer, workers, next(iter(writers.values())).dtype)
     for index, (split, text) in enumerate(stream_documents(source)):
         if index >= writers[split].resume.index:  # earlier ones are in finished shards
             block.append((index, split, text))
@@ -320,8 +320,8 @@ def _tokenize(source: dict, tokenizer: Tokenizer, writers: dict[str, ShardWriter
 class BlockEncoder:
     """Encodes blocks of documents as BOS ids EOS with `datasets`' map over `workers` processes, in order."""
 
-    def __init__(self, tokenizer: Tokenizer, workers: int):
-        self.tokenizer, self.workers = tokenizer, workers
+    def __init__(self, tokenizer: Tokenizer, workers: int, dtype: np.dtype):
+        self.tokenizer, self.workers, self.dtype = tokenizer, workers, dtype
         if workers > 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
 
@@ -344,7 +344,7 @@ class BlockEncoder:
             load_from_cache_file=False,
         )
         ids = encoded.data.column("ids").combine_chunks()
-        flat = ids.flatten().to_numpy()
+        flat = ids.flatten().to_numpy().astype(self.dtype)  # the writers keep views of it until a shard fills
         lengths = ids.value_lengths().to_numpy()
         ends = np.cumsum(lengths)
         for (index, split, text), end, n in zip(block, ends, lengths):
@@ -365,7 +365,12 @@ class _Encode:
         if self._tokenizer is None:
             self._tokenizer = Tokenizer(self.path)
         tok = self._tokenizer
-        return {"ids": [[tok.bos_id, *ids, tok.eos_id] for ids in tok.encode_batch(batch["text"])]}
+        # numpy rows reach Arrow without a Python int per token
+        return {
+            "ids": [
+                np.array([tok.bos_id, *ids, tok.eos_id], np.int32) for ids in tok.encode_batch(batch["text"])
+            ]
+        }
 
 
 def _split_meta(sidecars: list[dict]) -> dict:

@@ -55,8 +55,9 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many texts in parallel (Rust threads)."""
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        """Encode many texts in parallel (Rust threads); the fast variant skips character offsets, which
+        nothing here reads (twice the speed on long documents)."""
+        return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
