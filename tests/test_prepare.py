@@ -195,3 +195,26 @@ def test_a_complete_split_takes_nothing_more(tmp_path):
     again = ShardWriter(store, "val", 4, np.uint16, "sha", shards)
     again.add(1, np.arange(3, dtype=np.uint16), 3)
     assert again.close() == shards
+
+
+def test_a_streamed_hub_style_source_routes_by_hash_past_one_block(tmp_path, monkeypatch):
+    # the hub path (datasets.load_dataset(..., streaming=True)) on local json rows; a block smaller than the
+    # corpus makes the carve route each document by its hash, as it does for fineweb-edu
+    import rope_llama.data.sources as sources
+
+    monkeypatch.setattr(sources, "HOLDOUT_BLOCK_CHARS", 2000)
+    rows = [f"Row {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5) for i in range(400)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    source = {
+        "kind": "hf",
+        "path": "json",
+        "data_files": str(tmp_path / "rows.jsonl"),
+        "holdout_fraction": 0.1,
+    }
+    streamed = sources.load_documents({**source, "streaming": True})
+    assert sources.load_documents({**source, "streaming": False}) == streamed
+    assert sorted(sum(streamed.values(), [])) == sorted(rows)
+    for split, (lo, hi) in {"val": (0, 0.1), "test": (0.1, 0.2), "train": (0.2, 1)}.items():
+        assert streamed[split] and all(lo <= sources.hash_fraction(t) < hi for t in streamed[split])
+    cache = prepare({**source, "streaming": True}, VOCAB, cache_root=str(tmp_path / "c"), shard_tokens=SHARD)
+    assert cache.meta["splits"]["val"]["documents"] == len(streamed["val"])

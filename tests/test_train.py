@@ -423,7 +423,11 @@ WEIGHTED_RECALL = [
 
 
 @pytest.mark.slow  # three training processes each: kept out of the default run, which must stay under 10 minutes
-@pytest.mark.parametrize("data", [[], WEIGHTED_RECALL], ids=["text", "weighted_recall"])
+@pytest.mark.parametrize(
+    "data",
+    [[], WEIGHTED_RECALL, ["data.shard_tokens=2048"]],  # the last: windows across the edges of eight shards
+    ids=["text", "weighted_recall", "shards"],
+)
 def test_two_cpu_processes_train_the_one_process_model(tmp_path, corpus, data):
     # data.batch_size is the global batch: two processes take half of each batch and average their
     # gradients, so they train the one-process model (fp32; the sums run in another order) and score

@@ -12,7 +12,7 @@ lines shuffled (no two files alike), about 2.85M tokens per copy with the defaul
 2. `train.py` on each prepared cache (default model and batch): seconds from the process start to the end of
    the first training step, and peak RSS until then.
 
-Peak RSS is the largest sum over the process and its children, sampled every 50 ms (pages forked workers
+Peak RSS is the largest sum over the process and its children, sampled every 250 ms (pages forked workers
 share count once per process). Prints markdown tables; the caches and corpus stay in `out` for reuse.
 """
 
@@ -71,6 +71,7 @@ def watch(
     args: list[str], env: dict, until: Path | None = None, timeout: float = 7200
 ) -> tuple[float, int, str]:
     """Run `args`; (seconds to exit or to `until` appearing, peak RSS bytes of the tree, stdout)."""
+    os.sync()  # no writeback of earlier steps' files competes with this one
     start = time.time()
     proc = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -85,7 +86,7 @@ def watch(
         if time.time() - start > timeout:
             proc.kill()
             raise RuntimeError(f"{args[1]} ran past {timeout} s")
-        time.sleep(0.05)
+        time.sleep(0.25)
     if until is not None and until.exists():
         seconds = float(until.read_text()) - start
         proc.kill()
