@@ -12,8 +12,9 @@ lines shuffled (no two files alike), about 2.85M tokens per copy with the defaul
 2. `train.py` on each prepared cache (default model and batch): seconds from the process start to the end of
    the first training step, and peak RSS until then.
 
-Peak RSS is the largest sum over the process and its children, sampled every 250 ms (pages forked workers
-share count once per process). Prints markdown tables; the caches and corpus stay in `out` for reuse.
+Peak RSS is the largest sum over the process and its children, sampled every 250 ms; pages that forked workers
+share with their parent count once per process there, so peak PSS (each shared page split among its sharers)
+is printed beside it: the memory the tree really holds. Prints markdown tables; the caches and corpus stay in `out` for reuse.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ def watch(
     proc = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
-    root, peak = psutil.Process(proc.pid), 0
+    root, peak = psutil.Process(proc.pid), (0, 0)
     while proc.poll() is None and not (until is not None and until.exists()):
         try:
-            tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            tree = [p.memory_full_info() for p in [root, *root.children(recursive=True)]]
+            peak = tuple(
+                max(a, b) for a, b in zip(peak, (sum(m.rss for m in tree), sum(m.pss for m in tree)))
+            )
         except psutil.Error:
             pass
         if time.time() - start > timeout:
@@ -198,18 +201,16 @@ def main(argv: list[str]) -> None:
     for name, cache in (("1x", out / f"cache_w{max(opt['workers'])}"), (scaled, out / "cache_big")):
         starts.append((name, train_start(corpora[name], tok, cache, out)))
         print(starts[-1], flush=True)
-    print(
-        "\n| corpus | workers | tokens | shards | seconds | tokens/s (wall) | tokenizing tokens/s | peak RSS MiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    head = "| corpus | workers | tokens | shards | seconds | tokens/s (wall) | tokenizing tokens/s | peak RSS MiB | peak PSS MiB |"
+    print(f"\n{head}\n|---|---|---|---|---|---|---|---|---|")
     for name, workers, r in rows:
-        print(f"| {name} | {workers} | {r['tokens']:,} | {r['shards']} | {r['seconds']:.1f} | "
-              f"{r['tokens'] / r['seconds']:,.0f} | {r['tokenizing']} | {mib(r['rss'])} |")  # fmt: skip
-    print(
-        "\n| corpus | seconds from train.py start to the end of step 1 | peak RSS MiB until then |\n|---|---|---|"
-    )
+        (rss, pss), wall = r["rss"], r["tokens"] / r["seconds"]
+        print(f"| {name} | {workers} | {r['tokens']:,} | {r['shards']} | {r['seconds']:.1f} | {wall:,.0f} | "
+              f"{r['tokenizing']} | {mib(rss)} | {mib(pss)} |")  # fmt: skip
+    print("\n| corpus | seconds from train.py start to the end of step 1 | peak RSS MiB | peak PSS MiB |")
+    print("|---|---|---|---|")
     for name, r in starts:
-        print(f"| {name} | {r['seconds']:.1f} | {mib(r['rss'])} |")
+        print(f"| {name} | {r['seconds']:.1f} | {mib(r['rss'][0])} | {mib(r['rss'][1])} |")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Layout of one cache directory (<cache_root>/<kind>-<key[:16]>/, on a local disk 
 The key hashes the source config and files, the split rule, the shard size and the tokenizer settings, so
 changing any of them selects another directory. A FileLock beside a local directory serialises builders.
 
-Preparation streams the source (`stream_documents`), tokenizes blocks of TOKENIZE_BLOCK_CHARS characters with
-`datasets`' map over `workers` processes (the order is kept, so any number of workers writes the same shards)
+Preparation streams the source (`stream_documents`), tokenizes blocks of TOKENIZE_BLOCK_CHARS characters per
+worker with `datasets`' map over `workers` processes (the order is kept, so any number of workers writes the same shards)
 and writes each shard as it fills. A killed preparation resumes at its first unfinished shard.
 
 Integrity: opening a complete cache checks meta.json, the tokenizer's hash and every shard's size (no shard is
@@ -54,7 +54,7 @@ SPLIT_RULE = {
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SHARD_TOKENS = 2**24  # 32 MiB of uint16: a reader's first-use check of one shard takes milliseconds
 TOKENIZER_SAMPLE_CHARS = 10**8  # characters of training documents a trained tokenizer learns from
-TOKENIZE_BLOCK_CHARS = 2**25  # text handed to the workers at once: bounds memory, amortises their start
+TOKENIZE_BLOCK_CHARS = 2**25  # text per worker handed out at once: bounds memory, amortises their start
 
 
 def default_cache_root() -> str:
@@ -305,7 +305,7 @@ def _tokenize(source: dict, tokenizer: Tokenizer, writers: dict[str, ShardWriter
         if index >= writers[split].resume.index:  # earlier ones are in finished shards
             block.append((index, split, text))
         chars += len(text)
-        if chars >= TOKENIZE_BLOCK_CHARS:
+        if chars >= TOKENIZE_BLOCK_CHARS * workers:
             tokens += encode.into(block, writers)
             bar.update(chars)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s")
@@ -347,7 +347,7 @@ class BlockEncoder:
             load_from_cache_file=False,
         )
         ids = encoded.data.column("ids").combine_chunks()
-        flat = ids.flatten().to_numpy().astype(self.dtype)  # the writers keep views of it until a shard fills
+        flat = ids.flatten().to_numpy().astype(self.dtype)
         lengths = ids.value_lengths().to_numpy()
         ends = np.cumsum(lengths)
         for (index, split, text), end, n in zip(block, ends, lengths):

@@ -142,7 +142,9 @@ class ShardWriter:
         else:
             self.doc_starts.append(self.buffered)
             self.chars += chars
-        self.pieces.append(ids)
+        # a copy: a view would keep the whole block alive until this split's shard fills, and a held-out split
+        # fills one shard in 1 / holdout_fraction blocks
+        self.pieces.append(np.array(ids, dtype=self.dtype))
         self.buffered += len(ids)
         while self.buffered >= self.shard_tokens:
             # the next shard starts inside this document, or at the next one when it ends exactly here
