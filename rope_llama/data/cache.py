@@ -34,7 +34,7 @@ from tqdm import tqdm
 from rope_llama import ROOT
 from rope_llama.core.checkpoint import atomic_file
 from rope_llama.data import DataError
-from rope_llama.data.shards import ShardedTokens, ShardWriter, Store, finished_shards
+from rope_llama.data.shards import ShardedTokens, ShardWriter, Store, content_problem, finished_shards
 from rope_llama.data.sources import (
     HOLDOUT_BLOCK_CHARS,
     SHAKESPEARE_TEST,
@@ -195,13 +195,8 @@ def invalid_reason(store: Store, key: str, verify: bool = False) -> str | None:
                     return f"{name} is missing or is not {expected} bytes"
                 if not store.exists(f"{info['name']}.json"):
                     return f"{info['name']}.json is missing"
-                if not verify:
-                    continue
-                digest, largest_id = store.scan(name, dtype)
-                if digest != info["xxh3_64"]:
-                    return f"{name} does not match its content hash"
-                if largest_id >= vocab_size:
-                    return f"{name} holds token id {largest_id}, outside the tokenizer's vocabulary of {vocab_size}"
+                if verify and (problem := content_problem(store, info, dtype, vocab_size)):
+                    return problem
     except (ValueError, KeyError, TypeError) as e:
         return f"metadata is unreadable: {type(e).__name__}: {e}"
     return None

@@ -95,6 +95,18 @@ class Resume:
     offset: int = 0
 
 
+def content_problem(store: Store, info: dict, dtype: np.dtype, vocab_size: int | None = None) -> str | None:
+    """Why the shard `info` (a sidecar or meta.json entry) does not hold what was recorded, or None: its hash
+    and, given `vocab_size`, its largest id. One sequential read of the file."""
+    name = f"{info['name']}.bin"
+    digest, largest_id = store.scan(name, dtype)
+    if digest != info["xxh3_64"]:
+        return f"{name} does not match its content hash"
+    if vocab_size is not None and largest_id >= vocab_size:
+        return f"{name} holds token id {largest_id}, outside the tokenizer's vocabulary of {vocab_size}"
+    return None
+
+
 def finished_shards(store: Store, split: str, dtype: np.dtype, tokenizer_sha256: str) -> list[dict]:
     """Sidecars of split's shards 0, 1, ... that are finished (size and hash checked, same tokenizer), up to the
     first that is not; the caller rewrites from there."""
@@ -108,7 +120,7 @@ def finished_shards(store: Store, split: str, dtype: np.dtype, tokenizer_sha256:
             break
         if store.size(f"{name}.bin") != info["tokens"] * dtype.itemsize:
             break
-        if store.scan(f"{name}.bin", dtype)[0] != info["xxh3_64"]:
+        if content_problem(store, info, dtype) is not None:
             break
         sidecars.append(info)
     return sidecars
@@ -191,6 +203,7 @@ class ShardedTokens:
 
     def __init__(self, directory: str, split: str, shards: list[dict], dtype, vocab_size: int):
         self.dir, self.split, self.dtype, self.vocab_size = directory, split, np.dtype(dtype), vocab_size
+        self.store = Store(directory)
         self.shards = [{k: s[k] for k in ("name", "tokens", "xxh3_64")} for s in shards]
         self.bounds = np.cumsum([0] + [s["tokens"] for s in shards])  # shard k holds [bounds[k], bounds[k+1])
         self.n = int(self.bounds[-1])
@@ -206,9 +219,7 @@ class ShardedTokens:
         """Shard k's ids (memory-mapped), verified on first use."""
         if k not in self._maps:
             info, path = self.shards[k], f"{self.dir}/{self.shards[k]['name']}.bin"
-            store = Store(self.dir)
-            digest, largest = store.scan(f"{info['name']}.bin", self.dtype)
-            if digest != info["xxh3_64"] or largest >= self.vocab_size:
+            if content_problem(self.store, info, self.dtype, self.vocab_size) is not None:
                 raise DataError(
                     f"token shard {path} does not match its hash in meta.json (damaged or changed on disk); "
                     "run scripts/prepare_data.py with the same data options to rebuild it."

@@ -142,9 +142,16 @@ def route_holdout(docs: Iterable[str], fraction: float, carve: tuple[str, ...]) 
             yield from ((split, text) for text in held)
         yield from (("train", text) for text in train)
         return
-    for text in itertools.chain(block, docs):
-        slot = int(hash_fraction(text) / fraction) if fraction > 0 else len(carve)
-        yield (carve[slot] if slot < len(carve) else "train"), text
+    block.reverse()
+    while block:  # popped: the first block is not held while the rest of the stream is read
+        yield _hash_route(block.pop(), fraction, carve)
+    for text in docs:
+        yield _hash_route(text, fraction, carve)
+
+
+def _hash_route(text: str, fraction: float, carve: tuple[str, ...]) -> tuple[str, str]:
+    slot = int(hash_fraction(text) / fraction) if fraction > 0 else len(carve)
+    return (carve[slot] if slot < len(carve) else "train"), text
 
 
 def shakespeare_plays() -> dict[str, str]:
