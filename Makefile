@@ -24,8 +24,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(VENV)/bin/pyt
 
 setup: $(STAMP) ## Create .venv, install the pinned dependencies and the project (editable; idempotent)
 
-train: setup ## Train the default small model on embedded Shakespeare (CPU: ~4-6 min with bf16 matmuls, up to 15 in fp32); ARGS="key=value ..."
-	$(PY) train.py $(ARGS)
+# The run is runs/default (what the README's later commands read) unless ARGS names another run_name.
+train: setup ## Train the default small model on embedded Shakespeare into runs/default (CPU: ~4-6 min with bf16 matmuls, up to 15 in fp32); ARGS="key=value ..."
+	$(PY) train.py $(if $(findstring run_name=,$(ARGS)),,run_name=default) $(ARGS)
 
 # Two pytest-xdist workers: much of the suite is single-threaded start-up of CLI subprocesses.
 test: setup ## Run the fast test suite in two worker processes (what CI runs); ARGS="-n 0" for one

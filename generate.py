@@ -144,9 +144,9 @@ def run_sample(
 def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str) -> None:
     tokens = torch.tensor([tok.bos_id, *tok.encode(text)])
     losses = score_tokens(ckpt.model, tokens, cfg.chunk, cfg.start_pos)
-    max_len = ckpt.max_len
-    print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (training length {max_len})")
-    for b in position_buckets(losses, max_len, cfg.start_pos):
+    context_len = ckpt.context_len
+    print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (context length {context_len})")
+    for b in position_buckets(losses, context_len, cfg.start_pos):
         print(f"{f'{b.start}..{b.end}':>16} {b.tokens:8d} {b.loss:8.4f} {b.perplexity:10.2f}")
     loss = float(losses.double().mean())
     print(f"{'overall':>16} {losses.numel():8d} {loss:8.4f} {math.exp(loss):10.2f}")

@@ -28,10 +28,16 @@ from rope_llama.core.checkpoint import (
     differing_settings,
     load_weights,
     model_state_from_checkpoint,
+    read_entries,
     safe_load,
 )
 from rope_llama.core.cli import USER_ERRORS, build, one_sentence_errors
 from rope_llama.core.precision import resolve_precision
+from rope_llama.data.positions import PositionsConfig
+from rope_llama.model.config import TrainedLengths
+from rope_llama.model.context import resolve_positions
+from rope_llama.model.extend import ExtendConfig
+from rope_llama.model.rope import RopeConfig
 from rope_llama.training.callbacks import AtomicCheckpointIO, NewRunDirectories
 from rope_llama.training.compile import resolve_compile
 from rope_llama.training.loggers import finish_wandb
@@ -99,17 +105,29 @@ def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
     return model_state_from_checkpoint(ckpt), ckpt.get("model_config")
 
 
-def unmatched_pose_factor(positions, rope) -> str | None:
-    """A line when PoSE trains towards a length its RoPE scaling's factor does not reach (allowed: a
-    deliberate mismatch is an experiment too)."""
-    if positions.kind != "pose" or rope.scaling == "none":
-        return None
-    matched = positions.target_len / rope.original_max_len
-    if rope.factor == matched:
-        return None
+def group_values(node: DictConfig) -> dict:
+    """A config group's values (the `rope` or `extend` group) as a plain dict for `resolve_positions`."""
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def run_positions(cfg: DictConfig, init_ckpt: dict | None) -> tuple[TrainedLengths, RopeConfig, ExtendConfig]:
+    """This run's trained lengths and the RoPE and extension it trains with (model/context.py): relative to
+    its own windows from scratch, continuing the `init_from` checkpoint's positions otherwise."""
+    positions = PositionsConfig.from_options(OmegaConf.to_container(cfg.data.positions, resolve=True))
+    positions.check(cfg.data.max_len)
+    lengths = TrainedLengths(cfg.data.max_len, positions.context_len(cfg.data.max_len))
+    base = read_entries(init_ckpt, Path(cfg.init_from))[0] if init_ckpt is not None else None
+    rope, extend = resolve_positions(base, group_values(cfg.rope), group_values(cfg.extend), training=lengths)
+    return lengths, rope, extend
+
+
+def describe_positions(lengths: TrainedLengths, rope: RopeConfig, extend: ExtendConfig) -> str:
+    """One line: the lengths the checkpoint will record and what the RoPE is relative to."""
+    scaled = "" if rope.scaling == "none" else f" x{rope.factor:g} relative to {rope.original_max_len}"
+    ext = "" if extend.method == "none" else f", extend {extend.method}"
     return (
-        f"note: PoSE trains towards {positions.target_len} tokens but rope.factor={rope.factor:g}; "
-        f"target_len / original_max_len = {matched:g}."
+        f"Positions: windows of {lengths.trained_len}, context {lengths.context_len}; "
+        f"rope {rope.scaling}{scaled} (base {rope.base:g}){ext}"
     )
 
 
@@ -156,7 +174,7 @@ def setup_run(cfg: DictConfig):
     )
     optim = build(cfg.optim)
     sample = build(cfg.sample, tokenizer=None)  # its options fail now, not at the first validation
-    model_config = build(cfg.model)  # shape and RoPE errors before any data work; vocab_size comes below
+    model_config = build(cfg.model)  # shape errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path and cfg.init_from:
         raise ValueError(
@@ -168,6 +186,7 @@ def setup_run(cfg: DictConfig):
     resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
     init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
+    lengths, rope, extend = run_positions(cfg, init_ckpt)  # RoPE errors before any data work too
 
     datamodule = build(cfg.data)
     if (processes := data_parallel_processes(cfg.trainer)) is not None:  # else checked when fit starts
@@ -177,9 +196,8 @@ def setup_run(cfg: DictConfig):
     tokenizer = sample.tokenizer = datamodule.tokenizer
 
     vocab_size = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # the tokenizer's, padded
-    model_config = replace(model_config, vocab_size=vocab_size)
-    if note := unmatched_pose_factor(datamodule.positions, model_config.rope):
-        print(note)
+    model_config = replace(model_config, vocab_size=vocab_size, rope=rope, extend=extend, lengths=lengths)
+    print(describe_positions(lengths, rope, extend))
     module = LitLlama(
         model_config,
         optim,
@@ -187,9 +205,7 @@ def setup_run(cfg: DictConfig):
         compile=compile_blocks,
         kernels=cfg.kernels,
         tokenizer=tokenizer,
-        max_len=cfg.data.max_len,
         chars_per_token=datamodule.chars_per_token("val"),
-        context_len=datamodule.positions.context_len(cfg.data.max_len),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )
     if resume_state is not None:  # Lightning loads it in fit, where a mismatch would be a traceback

@@ -39,9 +39,8 @@ from rope_llama.inference.options import (
     begin,
     check_common,
     long_documents,
-    method_extends,
+    method_grid,
     method_names,
-    method_ropes,
     print_matched_groups,
     with_largest_cache,
     write_csv,
@@ -83,7 +82,7 @@ def evaluate_grid(
     cfg: DictConfig, ckpt, methods: list[str], documents: list
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows)."""
-    max_len = ckpt.max_len
+    context_len = ckpt.context_len
     rows, curves, per_window = [], [], []
     cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
     windows = {}
@@ -91,14 +90,14 @@ def evaluate_grid(
         if length not in windows:
             windows[length] = split_windows(documents, length, cfg.max_windows)
         wins, owners = windows[length]
-        rope, factor = method_ropes(cfg, ckpt, methods, length)[method]
-        ckpt.model.set_rope(rope)
-        ckpt.model.set_extend(method_extends(cfg, ckpt, methods, length)[method])
+        cell = method_grid(cfg, ckpt, methods, length)[method]  # from the checkpoint's own config alone
+        ckpt.model.use_positions(cell.rope, cell.extend)
+        factor = cell.factor
         batch = rows_per_forward(cfg.batch_tokens, length)
         losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
         keys = {"method": method, "length": length, "factor": factor}
         rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
-        rows.append(metric_row("tail_ppl", losses[:, -max_len:].mean(1), owners, cfg, **keys))
+        rows.append(metric_row("tail_ppl", losses[:, -context_len:].mean(1), owners, cfg, **keys))
         if cfg.sliding_stride is not None:
             stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
             sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
@@ -106,7 +105,7 @@ def evaluate_grid(
         for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
             curves.append({**keys, "start": start, "end": end, "loss": loss})
         windows_seen = Counter()  # a window's index within its document
-        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -max_len:].mean(1)):
+        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -context_len:].mean(1)):
             per_window.append(
                 {
                     **keys,
@@ -136,7 +135,7 @@ def markdown_tables(rows: list[dict], header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_ppl_vs_length(rows: list[dict], max_len: int, path: Path) -> None:
+def plot_ppl_vs_length(rows: list[dict], context_len: int, path: Path) -> None:
     """Perplexity (and tail perplexity) vs evaluation length, one line per method, 95% bands."""
     metrics = [m for m in ("ppl", "tail_ppl") if any(r["metric"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
@@ -149,7 +148,9 @@ def plot_ppl_vs_length(rows: list[dict], max_len: int, path: Path) -> None:
             x = [r["length"] for r in sel]
             ax.plot(x, [r["value"] for r in sel], marker="o", label=method)
             ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel], alpha=0.15)
-        ax.axvline(max_len, color="gray", linestyle="--", linewidth=1)  # the training length
+        ax.axvline(
+            context_len, color="gray", linestyle="--", linewidth=1
+        )  # the context length the checkpoint claims
         ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=metric, title=metric)
         ax.set_xscale("log", base=2)
         ax.legend()
@@ -158,14 +159,14 @@ def plot_ppl_vs_length(rows: list[dict], max_len: int, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss_vs_position(curves: list[dict], max_len: int, path: Path) -> None:
+def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> None:
     """Loss vs position at the longest length, one curve per method."""
     longest = max(c["length"] for c in curves)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(c["method"] for c in curves):
         sel = [c for c in curves if c["method"] == method and c["length"] == longest]
         ax.plot([(c["start"] + c["end"]) / 2 for c in sel], [c["loss"] for c in sel], label=method)
-    ax.axvline(max_len, color="gray", linestyle="--", linewidth=1)
+    ax.axvline(context_len, color="gray", linestyle="--", linewidth=1)
     ax.set(xlabel="position", ylabel="loss (nats / token)", title=f"loss vs position at T={longest}")
     ax.legend()
     fig.tight_layout()
@@ -195,7 +196,7 @@ def run(cfg: DictConfig) -> list[dict]:
     ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     methods = method_names(cfg.methods, ckpt)
     print_matched_groups(cfg, ckpt, methods)
-    with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
+    with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))
     for length in cfg.lengths:  # before loading data; a shorter length may score more rows at once
         batch = rows_per_forward(cfg.batch_tokens, length)
         knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
@@ -206,10 +207,10 @@ def run(cfg: DictConfig) -> list[dict]:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    max_len = ckpt.max_len
+    context_len = ckpt.context_len
     n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}
     note = (
-        f"# Extrapolation: {ckpt.path}\n\nTraining length L = {max_len}; {len(documents)} {cfg.split} documents, "
+        f"# Extrapolation: {ckpt.path}\n\nContext length L = {context_len}; {len(documents)} {cfg.split} documents, "
         f"up to {cfg.max_windows} non-overlapping windows each (windows per length: {n_windows}). "
         f"Weights and activations in {str(ckpt.model.embed.weight.dtype).removeprefix('torch.')}. "
         f"Factors: {cfg.factor}. 95% intervals (results.csv) bootstrap over {cfg.bootstrap}s, seed {cfg.seed}"
@@ -224,8 +225,8 @@ def run(cfg: DictConfig) -> list[dict]:
     write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
     write_csv(out / "windows.csv", per_window)
     (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
-    plot_ppl_vs_length(rows, max_len, out / "ppl_vs_length.png")
-    plot_loss_vs_position(curves, max_len, out / "loss_vs_position.png")
+    plot_ppl_vs_length(rows, context_len, out / "ppl_vs_length.png")
+    plot_loss_vs_position(curves, context_len, out / "loss_vs_position.png")
     print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
     print(
         f"Wrote {out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"

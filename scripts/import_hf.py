@@ -113,7 +113,7 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     tokenizer_dest = out.parent / "tokenizer.json"
     copy_tokenizer(tokenizer, tokenizer_dest, overwrite)
     # the checkpoint records the copy beside it, which generate.py and train.py then read
-    atomic_torch_save(weights_checkpoint(model, Tokenizer(tokenizer_dest), cfg.rope.original_max_len), out)
+    atomic_torch_save(weights_checkpoint(model, Tokenizer(tokenizer_dest)), out)
     return out
 
 

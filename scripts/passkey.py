@@ -36,9 +36,8 @@ from rope_llama.inference.loading import load_model
 from rope_llama.inference.options import (
     begin,
     check_common,
-    method_extends,
+    method_grid,
     method_names,
-    method_ropes,
     option_list,
     print_matched_groups,
     with_largest_cache,
@@ -233,7 +232,7 @@ def run(cfg: DictConfig) -> list[dict]:
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     methods = method_names(cfg.methods, ckpt)
     print_matched_groups(cfg, ckpt, methods)
-    with_largest_cache(ckpt.model, method_extends(cfg, ckpt, methods, max(cfg.lengths)))
+    with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))
     check_memory(ckpt.model, cfg)
     begin(cfg, ckpt)
     trials = []
@@ -246,10 +245,9 @@ def run(cfg: DictConfig) -> list[dict]:
             prompts += cell_prompts
             candidates += cell_candidates
         rows = rows_per_forward(cfg.batch_tokens, length)
-        extends = method_extends(cfg, ckpt, methods, length)
-        for method, (rope, factor) in method_ropes(cfg, ckpt, methods, length).items():
-            ckpt.model.set_rope(rope)
-            ckpt.model.set_extend(extends[method])
+        for method, cell in method_grid(cfg, ckpt, methods, length).items():  # the checkpoint's config alone
+            ckpt.model.use_positions(cell.rope, cell.extend)
+            factor = cell.factor
             answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
             for (depth, trial), row in zip(prompt_cells, answered):
                 trials.append(

@@ -108,9 +108,9 @@ class StudyConfig:
 SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.max_steps=20",
                "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "optim.warmup_steps=5",
                "sample.max_new_tokens=0"]  # fmt: skip
-SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "rope.original_max_len=32", "trainer.max_steps=10",
+SMOKE_EXTEND = ["data.max_len=128", "data.batch_size=2", "trainer.max_steps=10",
                 "trainer.val_check_interval=5", "optim.warmup_steps=2"]  # fmt: skip
-SMOKE_POSE = ["rope.original_max_len=32", "trainer.max_steps=10", "optim.warmup_steps=2"]  # fmt: skip
+SMOKE_POSE = ["trainer.max_steps=10", "optim.warmup_steps=2"]  # fmt: skip
 SMOKE_LENGTHS = [32, 64, 128, 256, 512]
 # PoSE fine-tunes: (target length / L, RoPE scaling: the base's, or PI / YaRN matched to the target); runs
 # pose<factor>_<none|pi|yarn>
@@ -653,8 +653,8 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     }
     for k in finetuned if cfg.pose else ():
         for factor, scaling in POSE_FINETUNES:
-            matched = () if scaling == "none" else (f"rope.factor={factor}",)  # none keeps the base's RoPE
-            pose_args = (f"rope={scaling}", *matched, f"positions.target_len={factor * base_len}")
+            # the factor follows from target_len and the base's length (model/context.py)
+            pose_args = (f"rope={scaling}", f"positions.target_len={factor * base_len}")
             name = f"pose{factor}_{SCALING_NAMES[scaling]}{suffix(k)}"
             finetunes[name] = (f"base_s{k}", "pose", (*pose_args, *(SMOKE_POSE if cfg.smoke else [])))
 

@@ -118,13 +118,14 @@ def tiny(vocab_size: int, rope: RopeConfig | None = None, **overrides) -> Llama:
         n_kv_heads=2,
         init_std=0.3,  # a sharp random model: greedy output is not one repeated token
         rope=rope or RopeConfig(original_max_len=L0),
+        lengths=L0,  # what a checkpoint records (model/context.py)
     )
     return Llama(ModelConfig(**fields | overrides)).eval()
 
 
 def save_run(model: Llama, tok: Tokenizer, directory: Path) -> Path:
     """Make `directory` a run directory the CLIs can load: checkpoints/last.ckpt + the tokenizer it records."""
-    atomic_torch_save(weights_checkpoint(model, tok, L0), directory / "checkpoints" / "last.ckpt")
+    atomic_torch_save(weights_checkpoint(model, tok), directory / "checkpoints" / "last.ckpt")
     return directory
 
 
@@ -142,9 +143,10 @@ def write_checkpoint(folder: Path, tokenizer: Tokenizer, rope: RopeConfig, tie: 
         init_std=0.3,
         tie_embeddings=tie,
         rope=rope,
+        lengths=L0,
     )
     path = folder / "model.ckpt"
-    atomic_torch_save(weights_checkpoint(Llama(cfg), tokenizer, L0), path)
+    atomic_torch_save(weights_checkpoint(Llama(cfg), tokenizer), path)
     return path
 
 

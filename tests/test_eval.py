@@ -24,14 +24,14 @@ from rope_llama.inference.evaluation import (
     continuation_logprobs,
     forward_groups,
     matched_factor,
-    method_rope,
+    method_positions,
     rows_per_forward,
     sliding_losses,
     split_windows,
     window_losses,
 )
 from rope_llama.inference.generation import GREEDY, check_scoring, generate, score_tokens
-from rope_llama.inference.options import datamodule_for, method_ropes
+from rope_llama.inference.options import datamodule_for, method_grid
 from rope_llama.inference.retrieval import GREEDY_MISSES, HELDOUT_TASKS, build_prompt, first_integer
 from rope_llama.inference.stats import wilson_interval
 from rope_llama.model.config import ModelConfig
@@ -158,13 +158,13 @@ def test_matched_group_gives_each_length_the_least_group_that_fits(run_dir, tmp_
 
 def test_matched_and_fixed_factors(ckpt, run_dir, tmp_path):
     assert [matched_factor(t, 256) for t in (128, 256, 1024, 4096)] == [1.0, 1.0, 4.0, 16.0]
-    matched = method_ropes(eval_cfg(run_dir, tmp_path), ckpt, ["yarn", "ntk"], 128)
-    assert matched["yarn"][0].factor == 4.0 and matched["yarn"][0].original_max_len == L0
-    assert matched["ntk"][1] == 4.0 and matched["ntk"][0].scaling == "ntk"
-    fixed = method_ropes(eval_cfg(run_dir, tmp_path, "factor=16"), ckpt, ["linear"], 64)
-    assert fixed["linear"][0].factor == 16.0
+    matched = method_grid(eval_cfg(run_dir, tmp_path), ckpt, ["yarn", "ntk"], 128)
+    assert matched["yarn"].rope.factor == 4.0 and matched["yarn"].rope.original_max_len == L0
+    assert matched["ntk"].factor == 4.0 and matched["ntk"].rope.scaling == "ntk"
+    fixed = method_grid(eval_cfg(run_dir, tmp_path, "factor=16"), ckpt, ["linear"], 64)
+    assert fixed["linear"].rope.factor == 16.0
     with pytest.raises(ValueError, match="Unknown method 'rope'"):
-        method_rope(ckpt.config.rope, "rope", 2.0, L0)
+        method_positions(ckpt.config, "rope", 2.0)
 
 
 def test_in_window_loss_equals_the_training_modules_loss(ckpt, run_dir, tmp_path):
@@ -204,14 +204,14 @@ def test_linear_with_factor_one_equals_none(run_dir, tmp_path):
 @pytest.mark.parametrize("method", ["none", "dynamic_ntk", "yarn"])
 def test_kv_cache_scorer_equals_one_forward(ckpt, method):
     model = ckpt.model
-    model.set_rope(method_rope(ckpt.config.rope, method, 4.0, L0))
+    model.use_positions(method_positions(ckpt.config, method, 4.0)[0])
     windows = torch.randint(0, 300, (2, 4 * L0 + 1))
     chunked = window_losses(model, windows, chunk=L0 - 5)  # several chunks, not aligned with anything
     with torch.inference_mode():
         logits = model(windows[:, :-1])  # one forward, one attention matrix
     full = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(2, -1)
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
-    model.set_rope(ckpt.config.rope)
+    model.use_positions(ckpt.config.rope)  # frozen: the checkpoint's own
 
 
 def test_sliding_window_scores_each_token_once_with_bounded_context(ckpt):
@@ -232,9 +232,9 @@ def test_sliding_window_scores_each_token_once_with_bounded_context(ckpt):
 def random_model(scaling: str) -> Llama:
     """A tiny random model with sharp logits, its RoPE scaled by 4 from L0."""
     torch.manual_seed(0)
-    rope = method_rope(RopeConfig(original_max_len=L0), scaling, 4.0, L0)
+    rope = method_positions(ModelConfig(rope=RopeConfig(original_max_len=L0), lengths=L0), scaling, 4.0)[0]
     config = ModelConfig(
-        vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.3, rope=rope
+        vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.3, rope=rope, lengths=L0
     )
     return Llama(config).eval()
 
@@ -346,7 +346,7 @@ def test_one_prefill_answers_as_generate_and_ranks_as_scoring_alone(run_dir, tok
     left-padded prompts of two lengths (candidates as long as the answer, so dynamic NTK is fixed for
     the same length in all three)."""
     model = load_checkpoint(run_dir).model
-    model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
+    model.use_positions(method_positions(model.config, method, 4.0)[0])
     rng = np.random.default_rng(1)
     prompts = [build_prompt("passkey", tok, length, 0.5, rng).tokens for length in (200, 300)]
     candidates = [[tok.encode(f" {k}") for k in (1234567, 7654321, 4444444)] for _ in prompts]
@@ -377,7 +377,7 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
     continuations of different lengths: the greedy answer, rank and log-prob of every prompt are
     the same batched as one at a time."""
     model = load_checkpoint(run_dir).model  # its own copy: the RoPE is replaced
-    model.set_rope(method_rope(model.config.rope, method, 4.0, L0))
+    model.use_positions(method_positions(model.config, method, 4.0)[0])
     rng = np.random.default_rng(0)
     prompts = [
         build_prompt(task, tok, length, 0.5, rng)

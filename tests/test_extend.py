@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rope_llama.inference.evaluation import method_extend, split_method
+from rope_llama.inference.evaluation import method_positions, split_method
 from rope_llama.inference.generation import (
     GREEDY,
     GenerationError,
@@ -31,7 +31,6 @@ from rope_llama.model.extend import (
     matched_group,
     merged_attention,
     neighbour_mask,
-    override_extend,
     self_extend_reach,
 )
 from rope_llama.model.kv_cache import KVCache
@@ -172,14 +171,6 @@ def test_config_errors_are_one_sentence(kwargs, message):
     assert str(e.value) == message
 
 
-def test_override_keeps_the_checkpoint_values_and_fills_the_training_length():
-    base = ExtendConfig(method="none", window=16, group=4, original_max_len=128)
-    out = override_extend(base, {"method": "self_extend", "window": 32, "original_max_len": None}, 256)
-    assert out == ExtendConfig(method="self_extend", window=32, group=4, original_max_len=256)
-    with pytest.raises(ValueError, match=r"Unknown extend keys \['size'\]; allowed keys are"):
-        override_extend(base, {"size": 3})
-
-
 # ----------------------------------------------------------------------------- the model
 
 L = 80  # tokens of the model tests: past the window, the group's reach and L0
@@ -222,7 +213,7 @@ def test_self_extend_without_grouped_scores_is_plain_attention_exactly(rope):
             ExtendConfig(method="self_extend", window=8, group=1),
             ExtendConfig(method="logn", original_max_len=40),
         ):
-            plain.set_extend(extend)
+            plain.use_positions(extend=extend)
             assert torch.equal(plain(idx), expected)
             assert torch.equal(score_tokens(plain, idx, chunk=9), cached)
 
@@ -339,8 +330,9 @@ def test_self_extend_cache_keeps_both_rotations_and_counts_them():
 
 
 def test_old_configs_load_without_an_extension():
-    cfg = ModelConfig(rope=RopeConfig(original_max_len=L0), extend=ExtendConfig(method="logn")).to_dict()
-    assert ModelConfig.from_dict(cfg).extend == ExtendConfig(method="logn")
+    logn = ExtendConfig(method="logn", original_max_len=L0)
+    cfg = ModelConfig(rope=RopeConfig(original_max_len=L0), extend=logn).to_dict()
+    assert ModelConfig.from_dict(cfg).extend == logn
     del cfg["extend"]  # a checkpoint written before extensions existed
     assert ModelConfig.from_dict(cfg).extend.method == "none"
 
@@ -389,15 +381,15 @@ def test_methods_compose_a_scaling_with_an_extension():
         with pytest.raises(ValueError, match=f"Unknown method '{re.escape(bad)}'; a method is a RoPE method"):
             split_method(bad)
     own = ExtendConfig(method="logn", window=16, group=4, original_max_len=64)
-    assert method_extend(own, "ckpt", 256) == own  # the checkpoint's own, unchanged
-    assert method_extend(own, "yarn", 256) == ExtendConfig(
-        method="none", window=16, group=4, original_max_len=256
-    )
-    assert method_extend(own, "yarn+self_extend", 256, {"group": 8}) == ExtendConfig(
+    config = ModelConfig(rope=RopeConfig(original_max_len=64), extend=own, lengths=256)
+    extend_of = lambda method, options=None: method_positions(config, method, 4.0, None, options)[1]
+    assert extend_of("ckpt") == own  # the checkpoint's own, unchanged
+    assert extend_of("yarn") == ExtendConfig(method="none", window=16, group=4, original_max_len=256)
+    assert extend_of("yarn+self_extend", {"group": 8}) == ExtendConfig(
         method="self_extend", window=16, group=8, original_max_len=256
     )
     with pytest.raises(ValueError, match="extend group must be an integer >= 1"):
-        method_extend(own, "self_extend", 256, {"group": 0})
+        extend_of("self_extend", {"group": 0})
 
 
 def test_generate_cli_scores_with_an_extension_override(tmp_path, monkeypatch, capsys):
@@ -411,7 +403,7 @@ def test_generate_cli_scores_with_an_extension_override(tmp_path, monkeypatch, c
     code, out, _ = run_generate_main(
         args + ["extend=self_extend", "extend.window=8", "extend.group=4"], monkeypatch, capsys
     )
-    model.set_extend(ExtendConfig(method="self_extend", window=8, group=4, original_max_len=L0))
+    model.use_positions(extend=ExtendConfig(method="self_extend", window=8, group=4, original_max_len=L0))
     losses = score_tokens(model, torch.tensor([tok.bos_id, *tok.encode(TEXT * 3)]), chunk=16)
     overall = next(line for line in out.splitlines() if line.strip().startswith("overall"))
     assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]

@@ -51,7 +51,7 @@ def test_cli_process_streams_the_engines_text_and_fails_cleanly(run_dir, model, 
         )
     assert single.returncode == 0, single.stderr
     ntk = copy.deepcopy(model)
-    ntk.set_rope(RopeConfig(scaling="ntk", factor=8.0, original_max_len=L0))
+    ntk.use_positions(RopeConfig(scaling="ntk", factor=8.0, original_max_len=L0))
     expected = streamed_text(tok, generate(ntk, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0])
     assert single.stdout == "ROMEO:" + expected + "\n"
     plain = generate(model, [prompt_ids(tok, "ROMEO:")], 30, eos_id=tok.eos_id).tokens[0]

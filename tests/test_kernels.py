@@ -314,7 +314,7 @@ def test_use_kernels_swaps_classes_and_keeps_every_tensor():
     assert set(KERNELS.values()) <= set(kernel_classes) and not set(KERNELS) & set(kernel_classes)
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == before  # same keys, same tensors
     assert model.lm_head.weight is model.embed.weight  # the tie survives
-    model.set_rope(RopeConfig(scaling="ntk", factor=2.0))
+    model.use_positions(RopeConfig(scaling="ntk", factor=2.0))
     assert type(model.rope) is KERNELS[RotaryEmbedding]  # an override keeps the kernel
     use_kernels(model, False)
     assert [type(m) for m in model.modules()] == plain_classes

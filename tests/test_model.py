@@ -122,8 +122,8 @@ def test_targets_give_the_cross_entropy_of_the_logits():
     torch.testing.assert_close(loss, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()))
 
 
-def test_set_rope_changes_what_every_layer_rotates_with():
-    """Attention reads the layout from the model's one RotaryEmbedding: after set_rope, the model equals
+def test_use_positions_changes_what_every_layer_rotates_with():
+    """Attention reads the layout from the model's one RotaryEmbedding: after use_positions, the model equals
     one built with the new RoPE from the start (same weights), the layout included."""
     model = tiny()
     new = RopeConfig(layout="interleaved", scaling="yarn", factor=4.0, original_max_len=L0)
@@ -132,7 +132,7 @@ def test_set_rope_changes_what_every_layer_rotates_with():
     idx = torch.randint(0, 97, (1, 3 * L0))
     with torch.no_grad():
         before = model(idx)
-        model.set_rope(new)
+        model.use_positions(new)
         torch.testing.assert_close(model(idx), fresh(idx), atol=0, rtol=0)
     assert not torch.allclose(before, fresh(idx), atol=1e-3)
 

@@ -26,6 +26,7 @@ from rope_llama.core.checkpoint import (
     safe_load,
     weights_checkpoint,
 )
+from rope_llama.model.config import TrainedLengths
 from rope_llama.model.rope import SCALINGS, RopeConfig, RotaryEmbedding
 from tests.helpers import (
     L0,
@@ -403,7 +404,9 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
     from rope_llama.model.config import ModelConfig
     from rope_llama.model.llama import Llama
 
-    small = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=64)
+    small = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=64, lengths=8
+    )
     path = tmp_path / "mismatch.ckpt"
     atomic_torch_save(  # weights of a 32-wide model under the config of a 48-wide one
         {
@@ -435,15 +438,21 @@ def test_truncated_and_foreign_files_give_one_sentence(tmp_path):
 
 
 def test_checkpoint_of_format_1_loads_and_a_newer_one_is_refused(tmp_path):
-    """Format 1 (no `format_version` entry) named the training length `train_max_len`."""
+    """Format 1 (no `format_version` entry) named the training length `train_max_len`, format 2 `max_len`;
+    format 3 records both trained lengths in model_config. An older one's length becomes both."""
     tok = text_tokenizer(tmp_path)
-    ckpt = weights_checkpoint(tiny(tok.vocab_size), tok, L0)
-    assert ckpt["format_version"] == 2 and ckpt["max_len"] == L0
-    old = {k: v for k, v in ckpt.items() if k not in ("format_version", "max_len")} | {
-        "train_max_len": 4 * L0
-    }
-    atomic_torch_save(old, tmp_path / "unversioned.ckpt")
-    assert load_checkpoint(tmp_path / "unversioned.ckpt").max_len == 4 * L0  # not the RoPE's original_max_len
+    ckpt = weights_checkpoint(tiny(tok.vocab_size, lengths=TrainedLengths(L0, 4 * L0)), tok)
+    assert ckpt["format_version"] == 3 and "max_len" not in ckpt
+    assert ckpt["model_config"]["lengths"] == {"trained_len": L0, "context_len": 4 * L0}
+    atomic_torch_save(ckpt, tmp_path / "v3.ckpt")
+    assert load_checkpoint(tmp_path / "v3.ckpt").config.lengths == TrainedLengths(L0, 4 * L0)
+    older = {k: v for k, v in ckpt.items() if k != "format_version"}
+    older["model_config"] = {k: v for k, v in ckpt["model_config"].items() if k != "lengths"}
+    for version, entry in ((None, "train_max_len"), (2, "max_len")):
+        old = older | {entry: 2 * L0} | ({"format_version": version} if version else {})
+        atomic_torch_save(old, tmp_path / f"v{version}.ckpt")
+        loaded = load_checkpoint(tmp_path / f"v{version}.ckpt")  # not the RoPE's original_max_len
+        assert loaded.config.lengths == TrainedLengths(2 * L0, 2 * L0) and loaded.context_len == 2 * L0
     newer = tmp_path / "newer.ckpt"
     atomic_torch_save(ckpt | {"format_version": FORMAT_VERSION + 1}, newer)
     with pytest.raises(CheckpointError) as info:
@@ -603,7 +612,7 @@ def test_an_unreadable_recorded_tokenizer_falls_back_to_the_copy_beside_the_run(
     tok = text_tokenizer(tmp_path / "elsewhere")  # the recorded path
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    atomic_torch_save(weights_checkpoint(tiny(tok.vocab_size), tok, L0), run / "checkpoints" / "last.ckpt")
+    atomic_torch_save(weights_checkpoint(tiny(tok.vocab_size), tok), run / "checkpoints" / "last.ckpt")
     (run / "tokenizer.json").write_bytes(Path(tok.path).read_bytes())  # what train.py copies there
     real = checkpoint.file_sha256
 

@@ -18,7 +18,6 @@ from rope_llama.model.rope import (
     RotaryEmbedding,
     apply_rotary,
     default_inv_freq,
-    override_rope,
     rope_cos_sin,
     rope_frequencies,
 )
@@ -386,9 +385,11 @@ def test_frequencies_match_transformers(scaling, head_dim, base, factor, origina
 
 
 def test_yarn_attention_factor_formula_and_override():
-    _, af = rope_frequencies(RopeConfig(scaling="yarn", factor=16.0), 64)
+    _, af = rope_frequencies(RopeConfig(scaling="yarn", factor=16.0, original_max_len=L0), 64)
     assert af == pytest.approx(0.1 * math.log(16.0) + 1)
-    _, af = rope_frequencies(RopeConfig(scaling="yarn", factor=16.0, attention_factor=1.5), 64)
+    _, af = rope_frequencies(
+        RopeConfig(scaling="yarn", factor=16.0, original_max_len=L0, attention_factor=1.5), 64
+    )
     assert af == 1.5
 
 
@@ -453,19 +454,3 @@ def test_input_validation():
         RotaryEmbedding(15, RopeConfig())
     with pytest.raises(ValueError, match="cannot exceed the head dimension"):
         RotaryEmbedding(16, RopeConfig(rotary_dim=32))
-
-
-# ------------------------------------------------------------------------- inference-time override
-
-
-def test_override_rope_keeps_weight_defining_fields():
-    base = RopeConfig(base=500.0, layout="interleaved", rotary_dim=8, original_max_len=32)
-    cfg = override_rope(
-        base, {"scaling": "ntk", "factor": 8.0, "original_max_len": None, "layout": "half"}, 64
-    )
-    assert (cfg.scaling, cfg.factor, cfg.original_max_len) == ("ntk", 8.0, 64)  # None: the training length
-    assert (cfg.layout, cfg.rotary_dim, cfg.base) == ("interleaved", 8, 500.0)
-    with pytest.raises(ValueError, match="valid scalings are"):
-        override_rope(base, {"scaling": "bogus"})
-    with pytest.raises(ValueError, match=r"Unknown rope keys \['theta'\]"):
-        override_rope(base, {"theta": 2.0})

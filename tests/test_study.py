@@ -93,7 +93,7 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     assert overrides == ["experiment=[recall_base,extend_context]"]
     cfg = compose_train(overrides, tmp_path / "pi")
     assert cfg.model.mix_previous_tokens == 3 and cfg.data.recall.fraction > 0  # the recipe's
-    assert cfg.data.max_len == 1024 and cfg.rope.factor == 4.0  # extend_context's
+    assert cfg.data.max_len == 1024 and cfg.rope.factor is None  # extend_context's: follows the lengths
     assert cfg.optim.name == "muon" and cfg.optim.muon_lr == 2e-3  # the recipe's optimizer at fine-tune rates
 
 
@@ -199,13 +199,13 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
         assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
         assert ("rope=yarn" in command) == ("yarn" in name)
         assert order.index(("end", base)) < order.index(("start", name))
-        if name.startswith("pose"):  # PoSE towards factor x L, its RoPE factor matched (none: the base's)
+        if name.startswith("pose"):  # PoSE towards factor x L; its RoPE factor follows (model/context.py)
             factor = int(name[4 : name.index("_")])
             assert (
                 "experiment=[recall_base,pose]" in command
                 and f"positions.target_len={factor * 256}" in command
             )
-            assert (f"rope.factor={factor}" in command) == ("none" not in name)
+            assert not any(c.startswith("rope.factor=") for c in command)
     assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
     assert "experiment=[recall_base,randomized_positions]" in commands["train.py", "randomized"]
     assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", *pose, *(f"{p}_s3" for p in pose),

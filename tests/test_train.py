@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +14,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rope_llama.core.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
 from rope_llama.core.cli import build
-from rope_llama.data.positions import PositionsConfig
 from rope_llama.inference.samples import TextSample
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig
@@ -22,7 +22,7 @@ from rope_llama.training.module import LitLlama
 from rope_llama.training.optim import OptimConfig, build_optimizer, lr_multiplier
 from rope_llama.training.throughput import matmul_dtype
 from tests.helpers import CONFIGS, L0, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_callbacks, build_trainer, resume_command, run_summary, train, unmatched_pose_factor
+from train import build_callbacks, build_trainer, resume_command, run_positions, run_summary, train
 
 pytestmark = (
     pytest.mark.hardware
@@ -62,9 +62,13 @@ def test_every_config_file_composes_and_instantiates(group, tmp_path, monkeypatc
         if group == "data" and option == "text_files":
             overrides.append("data.source.paths=[x.txt]")  # required field (???) in that file
         cfg = compose_train(overrides, tmp_path / f"{group}-{option}")
-        assert isinstance(build(cfg.rope), RopeConfig)
+        lengths, rope, extend = run_positions(cfg, None)  # as train.py resolves them (from scratch)
+        assert (
+            isinstance(rope, RopeConfig) and rope.original_max_len == lengths.trained_len == cfg.data.max_len
+        )
         model_config = build(cfg.model, vocab_size=256)  # as train.py fills it from the tokenizer
-        assert isinstance(model_config, ModelConfig) and model_config.rope == build(cfg.rope)
+        assert isinstance(model_config, ModelConfig)
+        model_config = replace(model_config, rope=rope, extend=extend, lengths=lengths)
         optim = build(cfg.optim)
         build_optimizer(LitLlama(model_config, optim).model, optim, fused=False)
         datamodule = build(cfg.data)  # constructs only; no download or preparation
@@ -94,39 +98,17 @@ def test_logger_options_build_lightnings_loggers(tmp_path, monkeypatch):
     assert built == {"csv": ["CSVLogger"], "none": [], "wandb": ["WandbLogger"]}
 
 
-def test_rope_original_len_follows_data_max_len(tmp_path):
-    cfg = compose_train(["rope=yarn", "data.max_len=512"], tmp_path)
-    assert cfg.rope.original_max_len == 512 and cfg.rope.scaling == "yarn"
-
-
-def test_extend_context_experiment_keeps_original_length(tmp_path):
-    cfg = compose_train(["experiment=extend_context", "rope=yarn"], tmp_path)
-    assert cfg.rope.scaling == "yarn" and cfg.rope.original_max_len == 256 and cfg.data.max_len == 1024
-    assert cfg.rope.factor == cfg.data.max_len / cfg.rope.original_max_len
-
-
 def test_pose_experiment_trains_short_windows_towards_a_matched_length(tmp_path):
     cfg = compose_train(["experiment=pose", "rope=yarn"], tmp_path)
     assert cfg.positions.kind == "pose" and cfg.data.positions.target_len == 1024 and cfg.data.max_len == 256
     assert (
-        cfg.rope.scaling == "yarn" and cfg.rope.factor == cfg.positions.target_len / cfg.rope.original_max_len
-    )
+        cfg.rope.scaling == "yarn" and cfg.rope.factor is None
+    )  # follows from the lengths (model/context.py)
     extend = compose_train(["experiment=extend_context"], tmp_path / "extend")
     assert cfg.trainer.max_steps == extend.trainer.max_steps  # the full-length fine-tune's steps
     assert (
         cfg.data.batch_size * cfg.data.max_len == extend.data.batch_size * extend.data.max_len
     )  # and tokens
-
-
-def test_a_pose_factor_that_misses_the_target_is_noted():
-    pose = PositionsConfig("pose", 1024, 2)
-    assert unmatched_pose_factor(pose, RopeConfig(scaling="yarn", factor=4.0, original_max_len=256)) is None
-    assert unmatched_pose_factor(pose, RopeConfig()) is None  # the base's RoPE: nothing to match
-    assert unmatched_pose_factor(PositionsConfig(), RopeConfig(scaling="linear", factor=2.0)) is None
-    note = unmatched_pose_factor(pose, RopeConfig(scaling="linear", factor=2.0, original_max_len=256))
-    assert (
-        note == "note: PoSE trains towards 1024 tokens but rope.factor=2; target_len / original_max_len = 4."
-    )
 
 
 def test_invalid_combination_fails_with_one_sentence(tmp_path, corpus):
@@ -165,7 +147,8 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     ).is_file()
     assert (run_dir / "tokenizer.json").is_file() and "step 40" in (run_dir / "samples.txt").read_text()
     ckpt = safe_load(run_dir / "checkpoints" / "last.ckpt")
-    assert ckpt["max_len"] == 32 and ckpt["model_config"]["rope"]["original_max_len"] == 32
+    assert ckpt["model_config"]["lengths"] == {"trained_len": 32, "context_len": 32}
+    assert ckpt["model_config"]["rope"]["original_max_len"] == 32  # from the run's own windows
     assert len(ckpt["tokenizer"]["sha256"]) == 64
 
 
@@ -206,7 +189,8 @@ def test_resume_gives_identical_weights(tmp_path, corpus, optim, positions, caps
     _, resumed = run_train(tmp_path, corpus, *keep_steps, f"ckpt_path={mid}", name="resumed")
     last = safe_load(resumed / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 20
-    assert last["max_len"] == (4 * L0 if positions == "pose" else L0)  # PoSE's checkpoint records its target
+    context = 4 * L0 if positions == "pose" else L0  # PoSE's checkpoint records its target as its context
+    assert last["model_config"]["lengths"] == {"trained_len": L0, "context_len": context}
     a, b = last_weights(full), last_weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
@@ -286,22 +270,26 @@ def test_ema_validates_and_saves_the_raw_weights_before_its_first_update(tmp_pat
 
 
 def test_init_from_loads_weights_into_a_new_run_with_another_rope(tmp_path, corpus):
+    """The fine-tune's RoPE is relative to the base's length (its checkpoint's, nothing typed) and a null
+    factor follows from the new length: 2 x L0 / L0."""
     _, base = run_train(tmp_path, corpus, "trainer.max_steps=10", name="base")
     base_weights = last_weights(base)
     _, ext = run_train(
         tmp_path,
         corpus,
         "rope=yarn",
-        "rope.factor=2",
-        "rope.original_max_len=32",
-        "data.max_len=64",
+        "rope.factor=null",
+        f"data.max_len={2 * L0}",
         f"init_from={base / 'checkpoints' / 'last.ckpt'}",
         "trainer.max_steps=10",
         "optim.lr=1e-30",  # updates below float32 resolution: the run must start from (and keep) the loaded weights
         name="extended",
     )
     ckpt = safe_load(ext / "checkpoints" / "last.ckpt")
-    assert ckpt["global_step"] == 10 and ckpt["model_config"]["rope"]["scaling"] == "yarn"
+    rope = ckpt["model_config"]["rope"]
+    assert ckpt["global_step"] == 10 and rope["scaling"] == "yarn"
+    assert (rope["factor"], rope["original_max_len"]) == (2.0, L0)
+    assert ckpt["model_config"]["lengths"] == {"trained_len": 2 * L0, "context_len": 2 * L0}
     for k, v in base_weights.items():
         assert torch.equal(model_state_from_checkpoint(ckpt)[k], v), k
 

@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,7 +49,8 @@ from rope_llama.core.cli import build
 from rope_llama.core.device import resolve_device
 from rope_llama.core.precision import AUTO
 from rope_llama.kernels.cpuinfo import cpu_model
-from rope_llama.model.config import ModelConfig
+from rope_llama.model.config import ModelConfig, TrainedLengths
+from rope_llama.model.context import resolve_positions
 
 DEFAULTS = dict(
     shapes=[
@@ -160,7 +162,10 @@ def model_config(shape: str, vocab: int, max_len: int) -> ModelConfig:
     """The configs/model/<shape>.yaml group composed by Hydra and built as train.py builds it."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={shape}", f"data.max_len={max_len}"])
-    return build(cfg.model, vocab_size=vocab)
+    lengths = TrainedLengths.of(max_len)
+    group = lambda name: OmegaConf.to_container(cfg[name], resolve=True)
+    rope, extend = resolve_positions(None, group("rope"), group("extend"), training=lengths)
+    return replace(build(cfg.model, vocab_size=vocab), rope=rope, extend=extend, lengths=lengths)
 
 
 # ----------------------------------------------------------------------------- timing

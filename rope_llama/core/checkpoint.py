@@ -3,8 +3,8 @@ atomic saving, and rebuilding a model alone.
 
 The format: a dict holding the network's weights under `state_dict` (names prefixed `model.`, as
 Lightning writes a LitLlama's) and the plain entries of `format_entries`: `format_version`,
-`model_config` (ModelConfig.to_dict()), `tokenizer` ({"path", "sha256"}) and `max_len` (the training length). That is
-all generate.py and the scripts need to rebuild model + tokenizer. A training checkpoint is Lightning's
+`model_config` (ModelConfig.to_dict(), its trained lengths included) and `tokenizer` ({"path", "sha256"}). That
+is all generate.py and the scripts need to rebuild model + tokenizer. A training checkpoint is Lightning's
 dict with these entries added (training/module.py); scripts/import_hf.py writes `weights_checkpoint`.
 """
 
@@ -32,9 +32,11 @@ if TYPE_CHECKING:
     from rope_llama.data.tokenizer import Tokenizer
 
 # Raise it when an entry changes meaning, and teach `read_entries` the older versions; a checkpoint
-# without the entry is version 1. Version 2 renamed `train_max_len` to `max_len`.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# without the entry is version 1. Version 2 renamed `train_max_len` to `max_len`; version 3 moved that
+# length into model_config's `lengths` (trained_len, context_len).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+OLD_LENGTH_ENTRY = {1: "train_max_len", 2: "max_len"}  # the one length versions 1 and 2 recorded
 STATE_PREFIX = "model."  # LitLlama's attribute holding the network: Lightning prefixes its weights with it
 
 
@@ -42,14 +44,21 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, unsafe or incomplete."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedCheckpoint:
+    """A rebuilt model and what its checkpoint says. `config` is the checkpoint's own (frozen): overrides
+    give the model a new config (`Llama.use_positions`) and never change this one."""
+
     model: Llama
     config: ModelConfig
     tokenizer_path: str | None
     tokenizer_sha256: str | None
-    max_len: int | None
     path: Path
+
+    @property
+    def context_len(self) -> int:
+        """The length the checkpoint claims (ModelConfig.lengths owns it)."""
+        return self.config.lengths.context_len
 
     def tokenizer_file(self) -> Path:
         """The tokenizer.json this model was trained with: the recorded path, else a copy in the
@@ -163,28 +172,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text.encode("utf-8"))
 
 
-def format_entries(config: ModelConfig, tokenizer: Tokenizer | None, max_len: int | None) -> dict:
-    """The plain entries a checkpoint carries beside the weights: the model config, the tokenizer file
-    (path + sha256; none for a module trained without one) and the length the model was trained at."""
+def format_entries(config: ModelConfig, tokenizer: Tokenizer | None) -> dict:
+    """The plain entries a checkpoint carries beside the weights: the model config (with the lengths it
+    was trained at, which a checkpoint must record) and the tokenizer file (path + sha256; none for a
+    module trained without one)."""
+    if config.lengths is None:
+        raise ValueError(
+            "A checkpoint must record the lengths its model was trained at (ModelConfig.lengths)."
+        )
     return {
         "format_version": FORMAT_VERSION,
         "model_config": config.to_dict(),
         "tokenizer": {"path": str(Path(tokenizer.path).resolve()), "sha256": tokenizer.sha256}
         if tokenizer
         else {},
-        "max_len": max_len,
     }
 
 
-def weights_checkpoint(model: Llama, tokenizer: Tokenizer, max_len: int | None) -> dict:
+def weights_checkpoint(model: Llama, tokenizer: Tokenizer) -> dict:
     """A checkpoint of weights only (no training state): what generate.py, the scripts and `init_from` read."""
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
-    return {"state_dict": state, **format_entries(model.config, tokenizer, max_len)}
+    return {"state_dict": state, **format_entries(model.config, tokenizer)}
 
 
-def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict, int | None]:
-    """(model config, tokenizer {"path", "sha256"}, training length) of a checkpoint read from `path`; a
-    checkpoint that records no training length (an import) is taken at its RoPE's original_max_len."""
+def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict]:
+    """(model config, tokenizer {"path", "sha256"}) of a checkpoint read from `path`. Versions 1 and 2
+    recorded one length: it becomes both trained lengths (a PoSE checkpoint's windows were shorter, which
+    they did not record); one that recorded none (an import) is taken at its RoPE's original_max_len."""
     if "model_config" not in ckpt:
         raise CheckpointError(f"{path} has no 'model_config'; it was not written by this project's train.py.")
     version = ckpt.get("format_version", 1)
@@ -193,12 +207,17 @@ def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict, int | None]
             f"{path} is in checkpoint format {version!r}, but this code reads formats up to {FORMAT_VERSION}; "
             "use the version of this project that wrote it."
         )
+    saved = dict(ckpt["model_config"])
+    if version in OLD_LENGTH_ENTRY and saved.get("lengths") is None:
+        length = ckpt.get(OLD_LENGTH_ENTRY[version]) or (saved.get("rope") or {}).get("original_max_len")
+        saved["lengths"] = length
     try:
-        config = ModelConfig.from_dict(dict(ckpt["model_config"]))
+        config = ModelConfig.from_dict(saved)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} has an invalid model_config: {e}") from None
-    max_len = ckpt.get("max_len" if version >= 2 else "train_max_len") or config.rope.original_max_len
-    return config, dict(ckpt.get("tokenizer") or {}), max_len
+    if config.lengths is None:
+        raise CheckpointError(f"{path} records no trained lengths (model_config.lengths).")
+    return config, dict(ckpt.get("tokenizer") or {})
 
 
 def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -210,10 +229,11 @@ def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
 
 
 def differing_settings(saved: dict | None, config: ModelConfig) -> str:
-    """The model settings (not rope / extend, which hold no weights) in which a checkpoint's saved
+    """The model settings (not rope / extend / lengths, which hold no weights) in which a checkpoint's saved
     `model_config` differs from `config`, as "d_model 64 in the checkpoint, 128 here, ..." ("" if none)."""
     here = config.to_dict()
-    names = [k for k in here if k not in ("rope", "extend") and k in (saved or {}) and saved[k] != here[k]]
+    positions = ("rope", "extend", "lengths")
+    names = [k for k in here if k not in positions and k in (saved or {}) and saved[k] != here[k]]
     return ", ".join(f"{k} {saved[k]} in the checkpoint, {here[k]} here" for k in names)
 
 
@@ -262,7 +282,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
     """Rebuild the model (eval mode, weights loaded strictly) from a checkpoint file or run dir."""
     p = resolve_checkpoint(path)
     ckpt = safe_load(p, map_location)
-    config, tokenizer, max_len = read_entries(ckpt, p)
+    config, tokenizer = read_entries(ckpt, p)
     model = Llama(config)
     load_weights(model, model_state_from_checkpoint(ckpt), f"{p} weights do not match its model_config")
     return LoadedCheckpoint(
@@ -270,6 +290,5 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckp
         config=config,
         tokenizer_path=tokenizer.get("path"),
         tokenizer_sha256=tokenizer.get("sha256"),
-        max_len=max_len,
         path=p,
     )

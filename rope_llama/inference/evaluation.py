@@ -1,7 +1,7 @@
 """Length-extrapolation metrics: windows, perplexities, per-position curves, bootstrap intervals.
 
-    rope = method_rope(ckpt.config.rope, "yarn", matched_factor(4096, 256), max_len=256)
-    extend = method_extend(ckpt.config.extend, "yarn+logn", max_len=256)   # a method may add an extension
+    rope, extend = method_positions(ckpt.config, "yarn+logn", matched_factor(4096, 256))  # RoPE + extension
+    model.use_positions(rope, extend)
     windows, docs = split_windows(documents, length=4096, max_windows=4)   # (W, 4097), (W,)
     losses = window_losses(model, windows, chunk=1024, batch=2)           # (W, 4096) nats per token
     loss, low, high = bootstrap_mean(losses.mean(1), groups=None, seed=0)  # point + 95% interval
@@ -23,9 +23,11 @@ import torch
 
 from rope_llama.core.memory import new_kv_cache
 from rope_llama.inference.generation import GREEDY, EagerStep, left_pad, sample, score_tokens
-from rope_llama.model.extend import EXTEND_METHODS, ExtendConfig, override_extend
+from rope_llama.model.config import ModelConfig
+from rope_llama.model.context import resolve_positions
+from rope_llama.model.extend import EXTEND_METHODS, ExtendConfig
 from rope_llama.model.llama import Llama
-from rope_llama.model.rope import SCALINGS, RopeConfig, override_rope
+from rope_llama.model.rope import SCALINGS, RopeConfig
 
 CKPT_METHOD = "ckpt"  # the checkpoint's own RoPE and extension, unchanged (e.g. a PI / YaRN fine-tune)
 METHODS = (*SCALINGS, CKPT_METHOD)  # the RoPE part of a method
@@ -58,27 +60,29 @@ def check_method(method: str) -> None:
     split_method(method)
 
 
-def method_rope(ckpt_rope: RopeConfig, method: str, factor: float, max_len: int) -> RopeConfig:
-    """The RoPE a method evaluates with: the checkpoint's (base, layout, ...) with the scaling
-    replaced, `factor` and original_max_len = the checkpoint's training length. `ckpt` = unchanged."""
-    scaling, _ = split_method(method)
-    if scaling == CKPT_METHOD:
-        return ckpt_rope
-    factor = 1.0 if scaling == "none" else float(factor)  # unused by `none`; 1 keeps reports honest
-    return override_rope(ckpt_rope, {"scaling": scaling, "factor": factor, "original_max_len": max_len})
-
-
-def method_extend(
-    ckpt_extend: ExtendConfig, method: str, max_len: int, options: dict | None = None
-) -> ExtendConfig:
-    """The extension a method evaluates with: the one it names, with `options` (e.g. window, group)
-    over the checkpoint's values and original_max_len = the checkpoint's training length; none when
-    it names none, except `ckpt` alone, which keeps the checkpoint's own."""
+def method_positions(
+    checkpoint: ModelConfig,
+    method: str,
+    factor: float,
+    rope_options: dict | None = None,
+    extend_options: dict | None = None,
+) -> tuple[RopeConfig, ExtendConfig]:
+    """The RoPE and extension a method evaluates with, resolved against the checkpoint's own frozen
+    config (model/context.py): a named scaling replaces the checkpoint's with `factor` (1 for `none`),
+    relative to the checkpoint's context length; `ckpt` keeps its own; an extension is the one the method
+    names (none when it names none, except `ckpt` alone, which keeps the checkpoint's own).
+    rope_options / extend_options: fields set for every method (e.g. base; window, group)."""
     scaling, extension = split_method(method)
-    if extension is None and scaling == CKPT_METHOD:
-        return ckpt_extend
-    values = {**(options or {}), "method": extension or "none", "original_max_len": max_len}
-    return override_extend(ckpt_extend, values)
+    rope = dict(rope_options or {})
+    if scaling == CKPT_METHOD:  # its own RoPE; options change only what they name
+        rope = {"original_max_len": checkpoint.rope.original_max_len, **rope} if rope else None
+    else:
+        factor = 1.0 if scaling == "none" else float(factor)  # unused by `none`; 1 keeps reports honest
+        rope.update(scaling=scaling, factor=factor, original_max_len=None)
+    extend = None
+    if extension is not None or scaling != CKPT_METHOD:
+        extend = {**(extend_options or {}), "method": extension or "none", "original_max_len": None}
+    return resolve_positions(checkpoint, rope, extend)
 
 
 # ----------------------------------------------------------------------------- windows and losses

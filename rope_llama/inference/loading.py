@@ -16,8 +16,7 @@ from rope_llama.core.precision import inference_dtype
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GenerationError
 from rope_llama.kernels import use_kernels
-from rope_llama.model.extend import override_extend
-from rope_llama.model.rope import override_rope
+from rope_llama.model.context import resolve_positions
 
 
 def load_model(
@@ -38,14 +37,15 @@ def load_model(
         raise GenerationError(
             f"The tokenizer has {tokenizer.vocab_size} tokens but the model only {loaded.config.vocab_size}."
         )
-    own = loaded.config.rope
-    new = own if rope is None else override_rope(own, rope, loaded.max_len)
-    if new.base != own.base:
-        print(f"note: rope base {new.base} differs from the checkpoint's {own.base}.", file=sys.stderr)
+    new_rope, new_extend = resolve_positions(loaded.config, rope, extend)
+    if new_rope.base != loaded.config.rope.base:
+        print(
+            f"note: rope base {new_rope.base} differs from the checkpoint's {loaded.config.rope.base}.",
+            file=sys.stderr,
+        )
     # the fused scoring head and Self-Extend merge; model/'s plain ops stay the reference
     use_kernels(loaded.model)
     loaded.model.to(device=torch_device, dtype=torch_dtype)
-    loaded.model.set_rope(new)  # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
-    if extend is not None:
-        loaded.model.set_extend(override_extend(loaded.config.extend, extend, loaded.max_len))
+    # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model
+    loaded.model.use_positions(new_rope, new_extend)
     return loaded, tokenizer

@@ -6,7 +6,9 @@ import csv
 import io
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -15,16 +17,10 @@ from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
 from rope_llama.core.cli import build
 from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
-from rope_llama.inference.evaluation import (
-    CKPT_METHOD,
-    check_method,
-    matched_factor,
-    method_extend,
-    method_rope,
-)
+from rope_llama.inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_positions
 from rope_llama.inference.generation import check_integer
-from rope_llama.model.extend import ExtendConfig, matched_group, override_extend
-from rope_llama.model.rope import override_rope
+from rope_llama.model.extend import ExtendConfig, matched_group
+from rope_llama.model.rope import RopeConfig
 
 MATCHED = "matched"  # factor / extend_options.group chosen per evaluation length from the training length
 
@@ -88,7 +84,10 @@ def check_common(cfg: DictConfig) -> None:
         raise ValueError(
             f"extend_options.group must be an integer >= 1 or `matched`, got {options['group']!r}."
         )
-    override_extend(ExtendConfig(), options)  # a bad window or group fails before the load
+    try:  # a bad window or group fails before the load
+        replace(ExtendConfig(), **options)
+    except TypeError as e:
+        raise ValueError(f"Unknown extend_options {sorted(options)}: {e}.") from None
     check_output_dir(str(cfg.out))
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
@@ -123,14 +122,34 @@ def extend_options(cfg: DictConfig) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def method_extends(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
-    """{method: ExtendConfig} for one evaluation length; group `matched` = the least group whose reach
-    at that length stays within 3/4 of the training length (model/extend.py's matched_group)."""
-    max_len = ckpt.max_len
+class MethodCell(NamedTuple):
+    """What one method runs with at one evaluation length."""
+
+    rope: RopeConfig
+    extend: ExtendConfig
+    factor: float  # the RoPE's factor, as the results tables report it
+
+
+def method_grid(
+    cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int
+) -> dict[str, MethodCell]:
+    """{method: MethodCell} for one evaluation length, each resolved from the checkpoint's own frozen config
+    alone, so a cell never depends on which method ran before it. factor `matched` = T / context length;
+    extend_options.group `matched` = the least group whose reach at that length stays within 3/4 of the
+    context length (model/extend.py's matched_group)."""
+    context_len = ckpt.context_len
+    factor = matched_factor(length, context_len) if cfg.factor == MATCHED else float(cfg.factor)
+    rope_options = OmegaConf.to_container(cfg.rope_options, resolve=True)
     options = extend_options(cfg)
     if options.get("group") == MATCHED:
-        options["group"] = matched_group(length, options.get("window", ckpt.config.extend.window), max_len)
-    return {m: method_extend(ckpt.config.extend, m, max_len, options) for m in methods}
+        options["group"] = matched_group(
+            length, options.get("window", ckpt.config.extend.window), context_len
+        )
+    cells = {}
+    for method in methods:
+        rope, extend = method_positions(ckpt.config, method, factor, rope_options, options)
+        cells[method] = MethodCell(rope, extend, rope.factor)
+    return cells
 
 
 def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str]) -> None:
@@ -139,28 +158,17 @@ def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[
         return
     groups = {}
     for length in sorted(cfg.lengths):
-        extends = [e for e in method_extends(cfg, ckpt, methods, length).values() if e.self_extend]
+        extends = [c.extend for c in method_grid(cfg, ckpt, methods, length).values() if c.extend.self_extend]
         if extends:
             groups[length] = extends[0].group
     if groups:
-        print(f"Self-Extend groups (matched to training length {ckpt.max_len}): {groups}")
+        print(f"Self-Extend groups (matched to context length {ckpt.context_len}): {groups}")
 
 
-def with_largest_cache(model, extends: dict) -> None:
-    """Give `model` the extension of `extends` whose KV cache is the largest (Self-Extend's holds a
-    second key buffer), so a memory check made before the grid counts the most any method allocates."""
-    model.set_extend(max(extends.values(), key=lambda e: e.self_extend))
-
-
-def method_ropes(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[str], length: int) -> dict:
-    """{method: (RopeConfig, its factor)} for one evaluation length; `matched` = T / training length."""
-    max_len = ckpt.max_len
-    factor = matched_factor(length, max_len) if cfg.factor == MATCHED else float(cfg.factor)
-    extra = OmegaConf.to_container(cfg.rope_options, resolve=True)
-    own = ckpt.config.rope
-    base = override_rope(own, {"original_max_len": own.original_max_len, **extra}) if extra else own
-    ropes = {m: method_rope(base, m, factor, max_len) for m in methods}
-    return {m: (rope, rope.factor) for m, rope in ropes.items()}
+def with_largest_cache(model, cells: dict[str, MethodCell]) -> None:
+    """Give `model` the extension of `cells` whose KV cache is the largest (Self-Extend's holds a second
+    key buffer), so a memory check made before the grid counts the most any method allocates."""
+    model.use_positions(extend=max((c.extend for c in cells.values()), key=lambda e: e.self_extend))
 
 
 def datamodule_for(cfg: DictConfig, ckpt: LoadedCheckpoint):

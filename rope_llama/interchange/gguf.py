@@ -18,6 +18,7 @@ from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.hf import (
     ExportError,
     check_expressible,
+    claimed_context,
     half_to_interleaved,
     hf_rope_parameters,
     to_hf_state_dict,
@@ -70,13 +71,13 @@ def check_rope(rope: RopeConfig, head_dim: int) -> None:
         )
 
 
-def add_rope(writer: gguf.GGUFWriter, rope: RopeConfig, head_dim: int) -> np.ndarray | None:
+def add_rope(writer: gguf.GGUFWriter, rope: RopeConfig, head_dim: int, context_len: int) -> np.ndarray | None:
     """Write the RoPE keys (and the context length) from the Hugging Face mapping, as llama.cpp's
     converter reads them; returns the Llama-3 `rope_freqs` tensor, or None for the other scalings."""
     check_rope(rope, head_dim)
     # transformers has no key for an explicit attention factor outside yarn, llama.cpp has one: map without it
     params, max_positions = hf_rope_parameters(replace(rope, attention_factor=None), head_dim)
-    writer.add_context_length(max_positions or rope.original_max_len)
+    writer.add_context_length(max_positions or context_len)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(params["rope_theta"])  # static ntk: the larger base, identical frequencies
     if params["rope_type"] in ("default", "llama3"):  # llama3 lives in the rope_freqs tensor
@@ -169,7 +170,7 @@ def gguf_writer(
     check_expressible(cfg, "a GGUF file")
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[ARCH])
     tokens, types, merges = gguf_vocab(tokenizer, cfg.vocab_size)
-    rope_freqs = add_rope(writer, cfg.rope, cfg.head_dim)
+    rope_freqs = add_rope(writer, cfg.rope, cfg.head_dim, claimed_context(cfg))
     tensors = gguf_tensors(state, cfg, dtype)
     writer.add_name(name)
     writer.add_file_type(DTYPES[dtype][1])

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import torch
 
-from rope_llama.model.config import ModelConfig
+from rope_llama.model.config import ModelConfig, TrainedLengths
 from rope_llama.model.rope import RopeConfig, ntk_base, rotary_dim_of
 
 
@@ -98,12 +98,18 @@ def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None)
     return {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_NAMES.items()} | dict(
         head_dim=cfg.head_dim,
         hidden_act="silu",
-        max_position_embeddings=max_override or max_position_embeddings or cfg.rope.original_max_len,
+        max_position_embeddings=max_override or max_position_embeddings or claimed_context(cfg),
         attention_bias=False,
         mlp_bias=False,
         rope_parameters=rope_parameters,
         source_rope=asdict(cfg.rope),  # ignored by HF; lets import_hf.py restore ntk / interleaved
+        source_lengths=asdict(cfg.lengths) if cfg.lengths else None,  # ignored by HF; the trained lengths
     )
+
+
+def claimed_context(cfg: ModelConfig) -> int | None:
+    """The context length a model claims: its trained lengths', else (a model not yet trained) its RoPE's L0."""
+    return cfg.lengths.context_len if cfg.lengths else cfg.rope.original_max_len
 
 
 HF_ROPE_KEYS = {  # rope_type -> the keys of rope_parameters we can map (anything else is refused)
@@ -160,6 +166,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         **{ours: hf[theirs] for ours, theirs in CONFIG_NAMES.items() if hf.get(theirs) is not None},
         rope=source_rope(hf) or rope_config_from_hf(hf["rope_parameters"], hf["max_position_embeddings"]),
+        # recorded at export; else the length the model claims (what it was trained on is not in a config.json)
+        lengths=TrainedLengths.of(hf.get("source_lengths") or int(hf["max_position_embeddings"])),
     )
 
 

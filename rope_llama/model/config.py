@@ -1,14 +1,54 @@
-"""ModelConfig: the shape of the decoder, validated on construction."""
+"""ModelConfig: the shape of the decoder, its RoPE and extension, and the lengths it was trained at;
+frozen and validated on construction (an override is `dataclasses.replace`, a new config)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.rope import RopeConfig
 
 
-@dataclass
+@dataclass(frozen=True)
+class TrainedLengths:
+    """The lengths a checkpoint's weights were trained at.
+
+    trained_len:  tokens per training window.
+    context_len:  the longest length the checkpoint claims: PoSE's target (its ids span it on shorter
+                  windows), an import's context length, else trained_len. Matched factors, `1x` and the
+                  inference L0 are relative to it.
+    """
+
+    trained_len: int
+    context_len: int
+
+    def __post_init__(self):
+        for name in ("trained_len", "context_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model lengths.{name} must be an integer >= 1, got {value!r}.")
+        if self.context_len < self.trained_len:
+            raise ValueError(
+                f"model lengths.context_len ({self.context_len}) must be >= trained_len ({self.trained_len})."
+            )
+
+    @classmethod
+    def of(cls, value: TrainedLengths | Mapping | int | None) -> TrainedLengths | None:
+        """A record, its dict (a checkpoint's), or one length for both (an older checkpoint's max_len)."""
+        if value is None or isinstance(value, TrainedLengths):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(value, value)
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            if unknown := sorted(set(value) - known):
+                raise ValueError(f"Unknown model lengths keys {unknown}; allowed keys are {sorted(known)}.")
+            return cls(**value)
+        raise ValueError(f"model lengths must be a mapping of trained_len and context_len, got {value!r}.")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 4096
     d_model: int = 256
@@ -30,14 +70,20 @@ class ModelConfig:
     mix_previous_tokens: int = 0
     rope: RopeConfig = field(default_factory=RopeConfig)
     extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
+    # what training wrote (model/context.py); None only until train.py or an import sets it
+    lengths: TrainedLengths | None = None
 
     def __post_init__(self):
-        if isinstance(self.rope, dict):  # built from a checkpoint or a Hydra config
-            self.rope = RopeConfig(**self.rope)
-        if isinstance(self.extend, dict):
-            self.extend = ExtendConfig(**self.extend)
+        set_field = lambda name, value: object.__setattr__(self, name, value)  # frozen: only here
+        if isinstance(self.rope, Mapping):  # built from a checkpoint or a Hydra config
+            set_field("rope", RopeConfig(**{k: v for k, v in self.rope.items() if not k.startswith("_")}))
+        if isinstance(self.extend, Mapping):
+            set_field(
+                "extend", ExtendConfig(**{k: v for k, v in self.extend.items() if not k.startswith("_")})
+            )
+        set_field("lengths", TrainedLengths.of(self.lengths))
         if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+            set_field("n_kv_heads", self.n_heads)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_multiple_of"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be a positive integer, got {getattr(self, name)}.")
@@ -57,7 +103,7 @@ class ModelConfig:
             raise ValueError(f"model mix_previous_tokens must be an integer >= 0 (0 = off), got {mix!r}.")
         if self.ffn_hidden is None:
             hidden = int(8 * self.d_model / 3)
-            self.ffn_hidden = -(-hidden // self.ffn_multiple_of) * self.ffn_multiple_of
+            set_field("ffn_hidden", -(-hidden // self.ffn_multiple_of) * self.ffn_multiple_of)
         if self.ffn_hidden < 1:
             raise ValueError(f"model ffn_hidden must be a positive integer, got {self.ffn_hidden}.")
         if not 0.0 <= self.dropout < 1.0:
@@ -68,7 +114,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict:
-        """Plain dict (rope and extend nested), safe for checkpoints loaded with weights_only=True."""
+        """Plain dict (rope, extend and lengths nested), safe for checkpoints loaded with weights_only=True."""
         return asdict(self)
 
     @classmethod

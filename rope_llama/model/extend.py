@@ -29,7 +29,7 @@ This file is the math (pure functions) and the merged attention; model/llama.py 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -61,13 +61,14 @@ class ExtendConfig:
     window:            self_extend: neighbour window W; keys closer than W positions keep their true
                        distance (the default is measured in docs/extrapolation.md).
     group:             self_extend: group size G; farther keys are seen G times closer.
-    original_max_len:  logn: the training length L0 the query scale is relative to.
+    original_max_len:  logn: the length L0 the query scale is relative to; None until model/context.py
+                       fills it from the model's trained lengths.
     """
 
     method: str = "none"
     window: int = 64
     group: int = 32
-    original_max_len: int = 2048
+    original_max_len: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "method", enum_choice(self.method, ExtendMethod, "extend method", "methods"))
@@ -77,6 +78,8 @@ class ExtendConfig:
             ("original_max_len", 2, "a training length (log-n divides by its log)"),
         ):
             value = getattr(self, name)
+            if name == "original_max_len" and value is None and not self.logn:
+                continue  # only log-n reads it
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"extend {name} must be an integer >= {minimum} ({what}), got {value!r}.")
 
@@ -93,19 +96,6 @@ class ExtendConfig:
         then below the window, or the group is 1 (a grouped position is then the true one), so
         Self-Extend is exactly plain attention (and cheaper)."""
         return not self.self_extend or seq_len <= self.window or self.group == 1
-
-
-def override_extend(base: ExtendConfig, override: dict, max_len: int | None = None) -> ExtendConfig:
-    """The checkpoint's extension with an inference-time override applied (a configs/extend group).
-    `original_max_len: None` (or absent) means the checkpoint's training length."""
-    known = {f.name for f in fields(ExtendConfig)}
-    unknown = sorted(set(override) - known)
-    if unknown:
-        raise ValueError(f"Unknown extend keys {unknown}; allowed keys are {sorted(known)}.")
-    values = dict(override)
-    if values.get("original_max_len") is None:
-        values["original_max_len"] = max_len or base.original_max_len
-    return replace(base, **values)
 
 
 # ----------------------------------------------------------------------------- pure math

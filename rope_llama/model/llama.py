@@ -14,6 +14,7 @@ some of its modules (same parameters, same state dict) that are installed from o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ from rope_llama.model.extend import (
     neighbour_mask,
 )
 from rope_llama.model.kv_cache import KVCache, SlotWrite
-from rope_llama.model.rope import RotaryEmbedding
+from rope_llama.model.rope import RopeConfig, RotaryEmbedding
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
@@ -214,16 +215,15 @@ class Llama(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.init_std)
 
-    def set_rope(self, rope_config) -> None:
-        """Swap the RoPE scaling (e.g. an inference-time override); weights are unchanged. The new
-        rope keeps the class of the old one, so a drop-in subclass installed from outside stays."""
-        self.config.rope = rope_config
-        self.rope = type(self.rope)(self.config.head_dim, rope_config).to(self.embed.weight.device)
-
-    def set_extend(self, extend_config: ExtendConfig) -> None:
-        """Swap the context extension (an inference-time override); weights are unchanged. A KV cache
-        is built for one extension (`KVCache.for_model`): build it after this call."""
-        self.config.extend = extend_config
+    def use_positions(self, rope: RopeConfig | None = None, extend: ExtendConfig | None = None) -> None:
+        """Run with another RoPE and/or extension (an inference-time override; model/context.py resolves
+        them); weights are unchanged. `self.config` becomes a new config: the one it was built from (a
+        checkpoint's) is frozen and never changes, so passing it back restores the model's own. The new
+        rope keeps the class of the old one, so a drop-in installed from outside stays. A KV cache is
+        built for one extension (`KVCache.for_model`): build it after this call."""
+        self.config = replace(self.config, rope=rope or self.config.rope, extend=extend or self.config.extend)
+        if rope is not None:
+            self.rope = type(self.rope)(self.config.head_dim, rope).to(self.embed.weight.device)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied head counts once); `non_embedding` drops the token table."""
@@ -352,7 +352,7 @@ class Llama(nn.Module):
             return PositionEncoding(cos, sin, query_scale)
         if kv_cache is not None and not kv_cache.grouped:
             raise ValueError(
-                "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after set_extend."
+                "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after use_positions."
             )
         # the grouped ids are rotated with the true ids' RoPE length (dynamic NTK's frequencies)
         seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len

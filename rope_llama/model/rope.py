@@ -18,8 +18,8 @@ is the single place that chooses between them. Formulas:
 - llama3:      wavelength bands: high frequencies kept, low ones / factor, smooth in between
 
 `transformers` (modeling_rope_utils) is the numerical reference for linear, dynamic, yarn
-and llama3; tests/test_rope.py checks parity against it. `override_rope` changes the scaling of a
-trained model's RopeConfig at inference (generate.py rope=..., the evaluation scripts).
+and llama3; tests/test_rope.py checks parity against it. model/context.py's `resolve_positions` turns a
+trained model's RopeConfig and an override (generate.py rope=..., the evaluation scripts) into the one to run.
 
 This file is the plain reference; kernels/rope.py holds a faster drop-in for `rotate`.
 """
@@ -27,7 +27,7 @@ This file is the plain reference; kernels/rope.py holds a faster drop-in for `ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -44,6 +44,8 @@ class RopeScaling(StrEnum):
 
 
 SCALINGS = tuple(s.value for s in RopeScaling)
+# The scalings whose frequencies depend on the reference length original_max_len.
+RELATIVE_SCALINGS = (RopeScaling.DYNAMIC_NTK, RopeScaling.YARN, RopeScaling.LLAMA3)
 
 
 def enum_choice(value: str | StrEnum, choices: type[StrEnum], kind: str, plural: str) -> str:
@@ -73,8 +75,9 @@ class RopeConfig:
     base:              RoPE base (theta). Larger = longer wavelengths.
     scaling:           one of SCALINGS.
     factor:            context-extension factor s >= 1 (unused by `none`).
-    original_max_len:  the length L0 the scaling is relative to (the training length, data.max_len, unless
-                       a context-extension fine-tune trained the model longer).
+    original_max_len:  the length L0 the scaling is relative to; None until model/context.py's
+                       `resolve_positions` fills it from the model's trained lengths (none, linear and ntk
+                       never read it).
     layout:            "half" pairs channel i with i + d/2 (HF / NeoX, rotate_half);
                        "interleaved" pairs channels (2i, 2i+1) (Meta / GPT-J).
     rotary_dim:        rotate only the first `rotary_dim` channels of each head (None = all).
@@ -87,7 +90,7 @@ class RopeConfig:
     base: float = 10000.0
     scaling: str = "none"
     factor: float = 1.0
-    original_max_len: int = 2048
+    original_max_len: int | None = None
     layout: str = "half"
     rotary_dim: int | None = None
     beta_fast: float = 32.0
@@ -107,7 +110,7 @@ class RopeConfig:
             raise ValueError(f"rope base must be > 1, got {self.base}.")
         if not self.factor >= 1.0:
             raise ValueError(f"rope factor must be >= 1 (1 = no scaling), got {self.factor}.")
-        if self.original_max_len < 1:
+        if self.original_max_len is not None and self.original_max_len < 1:
             raise ValueError(f"rope original_max_len must be a positive length, got {self.original_max_len}.")
         if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
             raise ValueError(f"rope rotary_dim must be a positive even number, got {self.rotary_dim}.")
@@ -124,25 +127,6 @@ class RopeConfig:
             raise ValueError(f"rope attention_factor must be > 0, got {self.attention_factor}.")
         if self.max_position is not None and self.max_position < 1:
             raise ValueError(f"rope max_position must be a positive length or None, got {self.max_position}.")
-
-
-def override_rope(base: RopeConfig, override: dict, max_len: int | None = None) -> RopeConfig:
-    """The checkpoint's RoPE with an inference-time override applied (e.g. a configs/rope group).
-
-    `layout` and `rotary_dim` always stay the checkpoint's: they describe how the weights were
-    trained. `original_max_len: None` means the checkpoint's training length.
-    """
-    known = {f.name for f in fields(RopeConfig)}
-    unknown = sorted(set(override) - known)
-    if unknown:
-        raise ValueError(f"Unknown rope keys {unknown}; allowed keys are {sorted(known)}.")
-    values = {k: v for k, v in override.items() if k not in ("layout", "rotary_dim")}
-    if values.get("original_max_len") is None:
-        values["original_max_len"] = max_len or base.original_max_len
-    try:
-        return replace(base, **values)
-    except TypeError as e:  # e.g. a string where a number belongs
-        raise ValueError(f"Invalid rope override {values}: {e}.") from None
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -217,6 +201,11 @@ def rope_frequencies(
     """
     dim = rotary_dim_of(cfg, head_dim)
     scaling = RopeScaling(cfg.scaling)
+    if scaling in RELATIVE_SCALINGS and cfg.original_max_len is None:
+        raise ValueError(
+            f"rope scaling {cfg.scaling!r} is relative to a length, but original_max_len is unset; "
+            "resolve the config against the model's trained lengths (model/context.py)."
+        )
     if scaling in (RopeScaling.NTK, RopeScaling.DYNAMIC_NTK) and dim <= 2:  # exponent d/(d-2) is undefined
         raise ValueError(f"rope scaling {cfg.scaling!r} needs a rotary dimension > 2, got {dim}.")
     attention_factor = 1.0

@@ -27,10 +27,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class LitLlama(L.LightningModule):
-    """Trains a Llama of `model_config` with `optim` on windows of `max_len` tokens; its checkpoints record the
-    model config, the tokenizer and `context_len` (as `max_len`, core/checkpoint.py's format: the length the
-    model is meant for, `max_len` unless PoSE trained it towards a longer one) so the model can be rebuilt
-    from them alone."""
+    """Trains a Llama of `model_config` with `optim` on windows of its `lengths.trained_len` tokens; its
+    checkpoints record the model config (the trained lengths included) and the tokenizer, so the model can
+    be rebuilt from them alone (core/checkpoint.py's format)."""
 
     def __init__(
         self,
@@ -40,9 +39,7 @@ class LitLlama(L.LightningModule):
         compile: bool = False,
         kernels: bool = True,
         tokenizer: Tokenizer | None = None,
-        max_len: int | None = None,
         chars_per_token: float | None = None,
-        context_len: int | None = None,
         log_every_n_steps: int = 10,
     ):
         super().__init__()
@@ -54,9 +51,6 @@ class LitLlama(L.LightningModule):
         self.max_steps = max_steps
         self.compile_model = compile
         self.tokenizer = tokenizer
-        self.max_len = max_len  # the training windows' length
-        # the length checkpoints record as the model's: a PoSE fine-tune's target (data/positions.py)
-        self.context_len = context_len or max_len
         self.chars_per_token = chars_per_token  # converts nats/token into bits/char (tokenizer-independent)
         self.log_every_n_steps = log_every_n_steps
         self._tokens_since, self._time_since, self._peak_flops = 0, None, None
@@ -115,7 +109,8 @@ class LitLlama(L.LightningModule):
         tokens_per_s = self._tokens_since * self.trainer.world_size / elapsed
         if self._peak_flops is None:  # the peak of the dtype the matmuls run in (bf16 under bf16-mixed)
             self._peak_flops = measure_matmul_peak(self.device, matmul_dtype(self.trainer.precision))
-        flops = self.model.flops_per_token(self.max_len or 0) * tokens_per_s
+        lengths = self.config.lengths
+        flops = self.model.flops_per_token(lengths.trained_len if lengths else 0) * tokens_per_s
         self.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
         self.log("perf/mfu", flops / (self._peak_flops * self.trainer.world_size))
         self._tokens_since, self._time_since = 0, time.perf_counter()
@@ -174,4 +169,4 @@ class LitLlama(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint.update(format_entries(self.config, self.tokenizer, self.context_len))
+        checkpoint.update(format_entries(self.config, self.tokenizer))
