@@ -175,6 +175,55 @@ def per_kv_head(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.flatten(2, 3) @ y).view(B, KV, R, M, y.shape[-1])
 
 
+def attention_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_grouped: torch.Tensor | None,
+    k_grouped: torch.Tensor | None,
+    near: torch.Tensor | None,
+    mask: torch.Tensor | None,
+):
+    """The softmax of attention, in blocks of queries: yields (a, b, probs) for query rows a..b-1,
+    probs (B, KV, H/KV, b-a, end) float32 at least over the first `end` key slots (later ones are masked
+    for the whole block), the query heads grouped by the key-value head they read.
+
+    q, q_grouped: (B, H, L, D) queries rotated at their true and grouped positions; k, k_grouped:
+        (B, KV, S, D) keys likewise, H a multiple of KV (query head h reads key-value head h // (H / KV),
+        as SDPA's enable_gqa). q_grouped None: plain attention (every pair's true score).
+    near: (B|1, 1, L, S) bool (`neighbour_mask`), True where the true score is used, else the grouped
+        one; mask: None (causal) or (B|1, 1, L, S) bool, True = attend, never a slot after the query's
+        own. The L queries sit in the last L of the S slots (or L = 1).
+    Scores are scaled by 1/sqrt(D) as scaled_dot_product_attention; blocks hold at most
+    SCORE_BLOCK_BYTES of scores. `merged_attention` and the attention maps (inference/attention_maps.py)
+    both read these probabilities, so a map is the attention the model computes.
+    """
+    B, H, L, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    rep = H // KV
+    shape = (B, KV, rep, L, D)  # the query heads grouped by the key-value head they read
+    q = q.reshape(shape)
+    q_grouped = None if q_grouped is None else q_grouped.reshape(shape)
+    near = None if near is None else near[:, :, None]  # (B|1, 1, 1, L, S)
+    mask = None if mask is None else mask[:, :, None]
+    rows = max(1, SCORE_BLOCK_BYTES // score_row_bytes(B, H, S, q.element_size()))
+    scale = 1.0 / math.sqrt(D)
+    for a in range(0, L, rows):
+        b = min(a + rows, L)
+        end = S - L + b  # the slot of the block's last query: later keys are masked for the whole block
+        scores = per_kv_head(q[..., a:b, :], k[:, :, :end].mT)  # (B, KV, H/KV, b-a, end)
+        if q_grouped is not None:
+            grouped = per_kv_head(q_grouped[..., a:b, :], k_grouped[:, :, :end].mT)
+            scores = torch.where(near[..., a:b, :end], scores, grouped)
+        if mask is None:
+            allowed = (
+                torch.arange(end, device=q.device) <= torch.arange(S - L + a, end, device=q.device)[:, None]
+            )
+        else:
+            allowed = mask[..., a:b, :end]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+        yield a, b, scores.masked_fill(~allowed, -math.inf).softmax(-1)
+
+
 def merged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,45 +234,12 @@ def merged_attention(
     mask: torch.Tensor | None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Self-Extend attention: one softmax over the neighbour scores where `near`, grouped elsewhere.
-
-    q, q_grouped: (B, H, L, D) queries rotated at their true and grouped positions;
-    k, k_grouped, v: (B, KV, S, D) keys rotated at their true and grouped positions, and values,
-        H a multiple of KV (query head h reads key-value head h // (H / KV), as SDPA's enable_gqa);
-    near: (B|1, 1, L, S) bool (`neighbour_mask`); mask: None (causal) or (B|1, 1, L, S) bool,
-        True = attend, never a slot after the query's own. The L queries sit in the last L of the
-        S slots (or L = 1), so a block of queries reads only the keys up to its last query.
-    Returns (B, H, L, D). Scaled by 1/sqrt(D) as scaled_dot_product_attention; the softmax runs in
-    float32 at least (bf16 scores are upcast). Queries are processed in blocks of at most
-    SCORE_BLOCK_BYTES of scores.
-    """
+    """Self-Extend attention: one softmax over the neighbour scores where `near`, grouped elsewhere
+    (`attention_probabilities`, which says the shapes), times the values v (B, KV, S, D).
+    Returns (B, H, L, D); the softmax runs in float32 at least (bf16 scores are upcast)."""
     B, H, L, D = q.shape
-    KV, S = k.shape[1], k.shape[2]
-    rep = H // KV
-    shape = (B, KV, rep, L, D)  # the query heads grouped by the key-value head they read
-    q, q_grouped = q.reshape(shape), q_grouped.reshape(shape)
-    near = near[:, :, None]  # (B|1, 1, 1, L, S)
-    mask = None if mask is None else mask[:, :, None]
-    rows = max(1, SCORE_BLOCK_BYTES // score_row_bytes(B, H, S, q.element_size()))
-    scale = 1.0 / math.sqrt(D)
     out = []
-    for a in range(0, L, rows):
-        b = min(a + rows, L)
-        end = S - L + b  # the slot of the block's last query: later keys are masked for the whole block
-        keys, keys_grouped, values = k[:, :, :end], k_grouped[:, :, :end], v[:, :, :end]
-        scores = torch.where(
-            near[..., a:b, :end],
-            per_kv_head(q[..., a:b, :], keys.mT),
-            per_kv_head(q_grouped[..., a:b, :], keys_grouped.mT),
-        )  # (B, KV, H/KV, b-a, end)
-        if mask is None:
-            allowed = (
-                torch.arange(end, device=q.device) <= torch.arange(S - L + a, end, device=q.device)[:, None]
-            )
-        else:
-            allowed = mask[..., a:b, :end]
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-        probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    for _, _, probs in attention_probabilities(q, k, q_grouped, k_grouped, near, mask):
         probs = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
-        out.append(per_kv_head(probs.to(v.dtype), values))
+        out.append(per_kv_head(probs.to(v.dtype), v[:, :, : probs.shape[-1]]))
     return torch.cat(out, dim=-2).reshape(B, H, L, D)

@@ -71,6 +71,15 @@ def consecutive(positions: torch.Tensor) -> bool:
     return bool((positions.diff(dim=-1) == 1).all() and (positions == positions[:1]).all())
 
 
+def merged_near(encoding: PositionEncoding, L: int, S: int, device) -> torch.Tensor:
+    """(B|1, 1, L, S) bool: where a merged attention uses the true score (`neighbour_mask`); from the
+    window when the positions are consecutive (the L queries fill the last L of the S slots)."""
+    if encoding.near is not None:
+        return encoding.near
+    slots = torch.arange(S, device=device)
+    return neighbour_mask(slots[S - L :], slots, encoding.window)[None, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -79,6 +88,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
+        # called with what this layer scores, when set (inference/attention_maps.py draws it): (layer,
+        # q, k, q_grouped, k_grouped, near, mask) as `attention_probabilities` takes them
+        self.observer = None
 
     def forward(
         self,
@@ -105,22 +117,22 @@ class Attention(nn.Module):
         if kv_cache is not None:  # keys are cached after rotation (both rotations with Self-Extend)
             k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
         dropout_p = self.dropout if self.training else 0.0
-        if near is None and window is None:
+        merged = near is not None or window is not None
+        q_grouped = rope.rotate(q, grouped[0], grouped[1]) if merged else None
+        if self.observer is not None:
+            near_mask = merged_near(encoding, L, k_rot.shape[2], x.device) if merged else None
+            self.observer(self.layer, q_rot, k_rot, q_grouped, k_grouped if merged else None, near_mask, mask)
+        if not merged:
             is_causal = mask is None and L > 1 and k_rot.shape[2] == L
             y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
         else:
-            q_grouped = rope.rotate(q, grouped[0], grouped[1])
             y = self.attend_merged(q_rot, k_rot, q_grouped, k_grouped, v, encoding, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
     def attend_merged(self, q, k, q_grouped, k_grouped, v, encoding, mask, dropout_p: float) -> torch.Tensor:
         """Self-Extend attention (`merged_attention`): q, q_grouped (B, H, L, D), k, k_grouped, v
         (B, KV, S, D) -> (B, H, L, D); which score a pair uses is `encoding.near` (or its window)."""
-        near = encoding.near
-        if near is None:  # consecutive positions: the queries fill the last L of the S slots
-            L, S = q.shape[2], k.shape[2]
-            slots = torch.arange(S, device=q.device)
-            near = neighbour_mask(slots[S - L :], slots, encoding.window)[None, None]
+        near = merged_near(encoding, q.shape[2], k.shape[2], q.device)
         return merged_attention(q, k, q_grouped, k_grouped, v, near, mask, dropout_p)
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
