@@ -20,16 +20,11 @@ from rope_llama.model.rope import RopeConfig, rope_frequencies
 from rope_llama.viz.attention_maps import record_attention
 from rope_llama.viz.geometry import decay_bound, relative_scores, relative_scores_closed_form, seen_distances
 from scripts import visualize
-from tests.helpers import CONFIGS, L0, ROOT, save_run, text_tokenizer, tiny
+from tests.helpers import CONFIGS, L0, ROOT, ROPES, save_run, text_tokenizer, tiny
 
-RELATIVE_ROPES = {
-    "none": RopeConfig(original_max_len=L0),
-    "linear": RopeConfig(scaling="linear", factor=4.0, original_max_len=L0),
-    "ntk": RopeConfig(scaling="ntk", factor=4.0, original_max_len=L0),
-    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_len=L0),
-    "llama3": RopeConfig(scaling="llama3", factor=4.0, original_max_len=L0),
-    "interleaved": RopeConfig(layout="interleaved", original_max_len=L0),
-    "partial": RopeConfig(rotary_dim=8, original_max_len=L0),
+# every RoPE whose frequencies do not depend on the total length (dynamic NTK's do), and a partial one
+RELATIVE_ROPES = {n: r for n, r in ROPES.items() if n != "dynamic_ntk"} | {
+    "partial": RopeConfig(rotary_dim=8, original_max_len=L0)
 }
 
 
