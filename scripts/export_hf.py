@@ -26,7 +26,7 @@ from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import BOS, EOS, Tokenizer
 from rope_llama.inference.options import require
-from rope_llama.interchange.destination import check_export_destination
+from rope_llama.interchange.destination import check_export_destination, move_into_place
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
 from rope_llama.model.rope import ntk_base
 
@@ -51,19 +51,6 @@ def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
         eos_token=EOS,
         clean_up_tokenization_spaces=False,  # byte-level BPE decodes exactly; no " ," -> "," rewriting
     )
-
-
-def move_into_place(tmp: Path, out: Path) -> None:
-    """A new or empty `out` becomes the finished temp dir in one rename; in a non-empty `out`, each file the
-    export wrote replaces its namesake atomically and every other file there is left as it is."""
-    if out.is_dir() and any(out.iterdir()):
-        for written in tmp.iterdir():
-            os.replace(written, out / written.name)
-        tmp.rmdir()
-        return
-    if out.is_dir():
-        out.rmdir()  # an empty target directory (e.g. made by the caller) is simply replaced
-    os.replace(tmp, out)
 
 
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -188,7 +188,8 @@ def test_refuses_a_tokenizer_that_is_not_byte_level(tmp_path, macbeth_tokenizer)
     normalized.hf.save(str(changed))
     ckpt = write_checkpoint(tmp_path / "run", Tokenizer(str(changed)), ROPES["none"])
     with pytest.raises(
-        ValueError, match="is not a byte-level BPE with the GPT-2 pre-tokenizer and no normalizer"
+        ValueError,
+        match=r"is not a byte-level BPE with the GPT-2 pre-tokenizer \(or SmolLM.s: digits split off first\) and no normalizer",
     ):
         export(ckpt, tmp_path / "m.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tokenizer.json"]
