@@ -23,7 +23,7 @@ from rope_llama.interchange.hf import from_hf_state_dict, interleaved_to_half, t
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding, ntk_base
 from scripts.export_gguf import export, main
-from tests.helpers import L0, ROPES, write_checkpoint
+from tests.helpers import L0, ROPES, llama_cpp_model, write_checkpoint
 
 EXPORTABLE = {
     **{name: rope for name, rope in ROPES.items() if name != "dynamic_ntk"},
@@ -233,19 +233,6 @@ def llama_cpp():
     import llama_cpp  # the optional extra, requirements-gguf.txt: `make test-slow` installs it
 
     return llama_cpp
-
-
-def llama_cpp_model(llama_cpp, path, n_ctx: int = 256):
-    """llama.cpp with every position's logits and an fp32 KV cache (its default f16 cache rounds keys)."""
-    return llama_cpp.Llama(
-        str(path),
-        logits_all=True,
-        n_ctx=n_ctx,
-        n_threads=2,
-        type_k=llama_cpp.GGML_TYPE_F32,
-        type_v=llama_cpp.GGML_TYPE_F32,
-        verbose=False,
-    )
 
 
 @pytest.mark.slow

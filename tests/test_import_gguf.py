@@ -473,6 +473,9 @@ def test_sentencepiece_vocabulary_encodes_like_transformers(tmp_path, macbeth):
     assert any(3 <= i < 259 for i in ids)  # byte tokens were used
     assert (ours.bos_id, ours.eos_id) == (1, 2)
     assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == reference(text)["input_ids"]
+    exported = AutoTokenizer.from_pretrained(export_hf(out, tmp_path / "hf"))  # bos / eos keep their names
+    assert len(exported) == len(reference) and (exported.bos_token, exported.eos_token) == ("<s>", "</s>")
+    assert exported(text)["input_ids"] == [1, *ids]
 
 
 @pytest.mark.parametrize("name", ["none", "yarn", "llama3"])
