@@ -24,10 +24,11 @@ from omegaconf import DictConfig
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import atomic_torch_save, atomic_write_text, load_weights, weights_checkpoint
 from rope_llama.core.cli import one_sentence_errors
+from rope_llama.data import DataError
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.options import require
 from rope_llama.interchange.destination import move_into_place, run_directory_at_or_above
-from rope_llama.interchange.gguf import read_gguf
+from rope_llama.interchange.gguf import describe, read_gguf
 from rope_llama.model.llama import Llama
 
 CHECKPOINT, TOKENIZER, TOKENIZER_CONFIG = "model.ckpt", "tokenizer.json", "tokenizer_config.json"
@@ -69,13 +70,20 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool
         atomic_write_text(tmp / TOKENIZER, imported.tokenizer_json)
         config = json.dumps(imported.tokenizer_config, indent=2, ensure_ascii=False) + "\n"
         atomic_write_text(tmp / TOKENIZER_CONFIG, config)
-        tokenizer = Tokenizer(str(tmp / TOKENIZER))  # our loader accepts it (bos / eos found) ...
+        try:  # our loader accepts it (bos / eos found) ...
+            tokenizer = Tokenizer(str(tmp / TOKENIZER))
+        except DataError as e:
+            need = str(e).split("; ", 1)[-1]
+            raise ValueError(
+                f"The vocabulary of {source} has no token this project reads as bos / eos; {need}"
+            ) from None
         tokenizer.path = str(out / TOKENIZER)  # ... and the checkpoint records where it will be
         checkpoint = weights_checkpoint(model, tokenizer, imported.context_length)
         atomic_torch_save(checkpoint, tmp / CHECKPOINT)
         move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{source.name}: {describe(imported)}")
     return out / CHECKPOINT
 
 

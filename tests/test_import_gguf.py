@@ -517,7 +517,12 @@ def test_output_runs_in_generate_and_refuses_what_it_would_overwrite(
     path = write_gguf(tmp_path / "m.gguf", random_model(tiny_config()), macbeth_tokenizer, Q.Q8_0)
     out = tmp_path / "imported"
     code, stdout, err = run_main(monkeypatch, capsys, f"gguf={path}", f"out={out}")
-    assert code == 0 and stdout.startswith(f"Imported {path} to {out / 'model.ckpt'} in "), err
+    assert code == 0, err
+    assert stdout.startswith(
+        "m.gguf: 2 layers, d_model 64, 4 / 2 heads, vocab 320, tied head; rope none, base 10000; context 32; "
+        "tensors 15 Q8_0, 5 F32\n"
+        f"Imported {path} to {out / 'model.ckpt'} in "
+    ), stdout
     loaded, tok = load_model(str(out), device="cpu")  # what generate.py ckpt=<out> loads
     assert tok.sha256 == file_sha256(out / "tokenizer.json") and loaded.max_len == L0
     assert len(generate(loaded.model, [[tok.bos_id, 5, 6]], 4).tokens[0]) == 4

@@ -644,7 +644,8 @@ def read_tensors(reader: gguf.GGUFReader, cfg: ModelConfig, expected: dict[str, 
             raise UnsupportedGGUF(
                 f"Tensor {name} has shape {list(array.shape)}, but the file's keys need {list(shape)}."
             )
-        tensors[name] = torch.from_numpy(array.copy())  # the reader maps the file read-only
+        # an f32 tensor is a view of the file, which the reader maps read-only
+        tensors[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
     return from_hf_state_dict(from_gguf_tensors(tensors, cfg), cfg)
 
 
@@ -772,3 +773,15 @@ def without_foreign_tokens(backend: HFTokenizer, tokens: list[str]) -> HFTokeniz
     if len(kept) == len(spec["added_tokens"]):
         return backend
     return HFTokenizer.from_str(json.dumps(spec | {"added_tokens": kept}))
+
+
+def describe(imported: ImportedGGUF) -> str:
+    """One line on what was imported: shape, RoPE, storage types, context length."""
+    cfg, rope = imported.config, imported.config.rope
+    scaling = rope.scaling if rope.scaling == "none" else f"{rope.scaling} x{rope.factor:g}"
+    types = ", ".join(f"{n} {name}" for name, n in sorted(imported.tensor_types.items(), key=lambda t: -t[1]))
+    return (
+        f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} / {cfg.n_kv_heads} heads, vocab "
+        f"{cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'separate'} head; rope {scaling}, base "
+        f"{rope.base:g}; context {imported.context_length}; tensors {types}"
+    )
