@@ -220,32 +220,3 @@ def overwrite_bytes(path: str, offset: int, data: bytes) -> None:
 
 def garbage(damage: str, n: int) -> bytes:
     return np.random.default_rng(0).bytes(n) if damage == "random_bytes" else bytes(n)
-
-
-def llama_cpp_model(llama_cpp, path, n_ctx: int = 256, extra_buffers: bool = True):
-    """llama.cpp with every position's logits and an fp32 KV cache (its default f16 cache rounds keys).
-    extra_buffers=False loads the weights into plain CPU buffers, without llama.cpp's extra buffer types
-    (repacked / AMX weights): with them the first eval of a Q4_1 file segfaults on an AMX Xeon
-    (llama-cpp-python 0.3.36); the plain buffers compute the same types."""
-    from llama_cpp import llama as module
-
-    default = module.llama_cpp.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = extra_buffers
-        return p
-
-    module.llama_cpp.llama_model_default_params = params  # Llama() passes no such option through
-    try:
-        return llama_cpp.Llama(
-            str(path),
-            logits_all=True,
-            n_ctx=n_ctx,
-            n_threads=2,
-            type_k=llama_cpp.GGML_TYPE_F32,
-            type_v=llama_cpp.GGML_TYPE_F32,
-            verbose=False,
-        )
-    finally:
-        module.llama_cpp.llama_model_default_params = default

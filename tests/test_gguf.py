@@ -15,6 +15,7 @@ import pytest
 import torch
 from tokenizers import normalizers
 
+from rope_llama.bench.peers import llama_cpp_model
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GREEDY, generate
@@ -23,7 +24,7 @@ from rope_llama.interchange.hf import from_hf_state_dict, interleaved_to_half, t
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding, ntk_base
 from scripts.export_gguf import export, main
-from tests.helpers import L0, ROPES, llama_cpp_model, write_checkpoint
+from tests.helpers import L0, ROPES, write_checkpoint
 
 EXPORTABLE = {
     **{name: rope for name, rope in ROPES.items() if name != "dynamic_ntk"},
@@ -241,7 +242,7 @@ def test_llama_cpp_matches_our_logits_and_greedy_tokens(
     name, dtype, tmp_path, macbeth_tokenizer, macbeth, llama_cpp
 ):
     ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, EXPORTABLE[name], tie=name != "yarn")
-    llm = llama_cpp_model(llama_cpp, export(ckpt, tmp_path / "model.gguf", dtype=dtype))
+    llm = llama_cpp_model(export(ckpt, tmp_path / "model.gguf", dtype=dtype), 256, logits_all=True)
     ours = load_checkpoint(ckpt).model
     prompt = [macbeth_tokenizer.bos_id, *macbeth_tokenizer.encode(macbeth[5000:9000])][
         : 3 * L0
@@ -268,7 +269,7 @@ def test_llama_cpp_tokenizes_and_detokenizes_like_ours(tmp_path, macbeth_tokeniz
     path = export(
         write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"]), tmp_path / "model.gguf"
     )
-    llm = llama_cpp_model(llama_cpp, path)
+    llm = llama_cpp_model(path, 256, logits_all=True)
     passage = macbeth[60000:62000] + " naïve café — ünïcode 1234 x  \n\n\tend  "  # held out, odd spacing
     try:
         ids = macbeth_tokenizer.encode(passage)

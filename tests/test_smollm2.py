@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from rope_llama.bench.peers import llama_cpp_model
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.data.sources import load_documents
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GREEDY, generate
 from scripts.export_gguf import export as export_gguf
 from scripts.import_gguf import import_gguf
-from tests.helpers import llama_cpp_model
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,9 @@ def llama_cpp():
 
 @contextlib.contextmanager
 def llama_cpp_run(llama_cpp, path, n_ctx: int = POSITIONS):
-    """llama.cpp on `path` in plain CPU buffers (helpers.llama_cpp_model: its extra ones crash on this file)."""
-    llm = llama_cpp_model(llama_cpp, path, n_ctx, extra_buffers=False)
+    """llama.cpp on `path` with every position's logits, in plain CPU buffers (its extra buffer types crash
+    on this file: bench.peers.llama_cpp_model)."""
+    llm = llama_cpp_model(path, n_ctx, logits_all=True, extra_buffers=False)
     try:
         yield llm
     finally:
