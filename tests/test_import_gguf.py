@@ -324,8 +324,9 @@ def test_llama3_factors_are_recovered_or_refused():
     }
     damaged = factors.copy()
     damaged[40] *= 1.01
-    with pytest.raises(ValueError, match=r"rope_freqs.weight=\[.*\] matches no Llama-3 scaling"):
-        llama3_parameters(damaged, base, dim, 131072, None)
+    for refused in (damaged, np.full(dim // 2, 0.5)):  # one factor off; every frequency multiplied
+        with pytest.raises(ValueError, match=r"rope_freqs.weight=\[.*\] matches no Llama-3 scaling"):
+            llama3_parameters(refused, base, dim, 131072, None)
 
 
 REFUSED = {

@@ -533,10 +533,11 @@ def llama3_parameters(
             f"(head_dim / 2 = {head_dim // 2} positive numbers)."
         )
     factor = float(factors.max())
-    if np.allclose(factors, factors[0], rtol=FREQS_RTOL, atol=0):  # every frequency divided alike
-        return {"rope_type": "default", "rope_theta": base} | (
-            {"rope_type": "linear", "factor": factor} if factor > 1 + FREQS_RTOL else {}
-        )
+    uniform = np.allclose(factors, factors[0], rtol=FREQS_RTOL, atol=0)  # every frequency divided alike
+    if uniform and math.isclose(factor, 1.0, rel_tol=FREQS_RTOL):
+        return {"rope_type": "default", "rope_theta": base}
+    if uniform and factor > 1:
+        return {"rope_type": "linear", "rope_theta": base, "factor": factor}
     for candidate in llama3_candidates(factors, inv_freq, factor, context_length, original):
         try:
             rope = RopeConfig(
@@ -551,10 +552,9 @@ def llama3_parameters(
             continue
         if np.allclose(llama3_rope_freqs(rope, head_dim).double().numpy(), factors, rtol=FREQS_RTOL, atol=0):
             return {"rope_type": "llama3", "rope_theta": base} | candidate
-    worst = int(np.argmax(np.abs(np.diff(factors)))) if len(factors) > 1 else 0
     raise UnsupportedGGUF(
-        f"{ROPE_FREQS}={shown([round(float(f), 6) for f in factors])} matches no Llama-3 scaling (e.g. the "
-        f"factor at frequency {worst}), and this model cannot hold explicit per-frequency factors."
+        f"{ROPE_FREQS}={shown([round(float(f), 6) for f in factors])} matches no Llama-3 scaling, and this "
+        "model cannot hold explicit per-frequency factors."
     )
 
 
