@@ -188,14 +188,17 @@ def log_buckets(n: int, count: int) -> np.ndarray:
     return np.searchsorted(edges, np.arange(n), side="right") - 1
 
 
-def bucket_rows(values: torch.Tensor, index: np.ndarray, key: str, x: np.ndarray, keys: dict) -> list[dict]:
-    """values (layers, H, n) averaged within each bucket of `index` (n,) -> rows with the bucket's mean x."""
+def bucket_rows(
+    values: torch.Tensor, index: np.ndarray, key: str, x: np.ndarray, keys: dict, layers: list[int]
+) -> list[dict]:
+    """values (layers, H, n) of the recorded `layers`, averaged within each bucket of `index` (n,) -> rows
+    with the bucket's mean x."""
     rows = []
     arr = values.numpy()
     for b in np.unique(index):
         sel = index == b
         means = arr[:, :, sel].mean(-1)
-        for layer in range(arr.shape[0]):
+        for layer in layers:
             for head in range(arr.shape[1]):
                 rows.append(
                     {
@@ -209,22 +212,30 @@ def bucket_rows(values: torch.Tensor, index: np.ndarray, key: str, x: np.ndarray
     return rows
 
 
-def attention_options(cfg: DictConfig, n_layers: int) -> tuple[list[int], list[int]]:
-    """(lengths or [], heatmap layers), checked before any data work."""
+def layer_list(cfg: DictConfig, key: str, n_layers: int, default: list[int]) -> list[int]:
+    """cfg[key] as sorted layer indices (null = `default`); one sentence for a layer the model lacks."""
+    layers = default if cfg[key] is None else option_list(cfg, key, "[0,3]")
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+            raise ValueError(
+                f"{key} must name layers of the model, integers in [0, {n_layers - 1}], got {layer!r}."
+            )
+    return sorted(set(layers))
+
+
+def attention_options(cfg: DictConfig, n_layers: int) -> tuple[list[int], list[int], list[int]]:
+    """(lengths or [], recorded layers, heatmap layers), checked before any data work."""
     for name, low in (("grid", 1), ("buckets", 2), ("start_pos", 0), ("seed", 0)):
         check_number(name, cfg[name], minimum=low, integer=True)
+    check_number("queries", cfg.queries, minimum=1, integer=True, allow_none=True, none_means="all")
     for method in option_list(cfg, "methods", "[none,yarn]"):
         check_method(str(method))
     lengths = [] if cfg.lengths is None else option_list(cfg, "lengths", "[256,1024]")
     for t in lengths:
         check_number("lengths", t, minimum=2, integer=True)
-    layers = [0, n_layers - 1] if cfg.layers is None else option_list(cfg, "layers", "[0,3]")
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-            raise ValueError(
-                f"layers must name layers of the model, integers in [0, {n_layers - 1}], got {layer!r}."
-            )
-    return lengths, sorted(set(layers))
+    layers = layer_list(cfg, "layers", n_layers, list(range(n_layers)))
+    heat = layer_list(cfg, "heatmap_layers", n_layers, [layers[0], layers[-1]])
+    return lengths, layers, heat
 
 
 def check_attention_memory(model, length: int, heat_layers: list[int], grid: int) -> None:
@@ -264,7 +275,7 @@ def attention_view(cfg: DictConfig, staging: Path) -> None:
     check_threads(cfg.threads)
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     apply_threads(cfg.threads)
-    lengths, heat_layers = attention_options(cfg, ckpt.config.n_layers)
+    lengths, layers, heat_layers = attention_options(cfg, ckpt.config.n_layers)
     lengths = lengths or [ckpt.context_len, 4 * ckpt.context_len]
     for length in lengths:
         check_attention_memory(ckpt.model, length, heat_layers, int(cfg.grid))
@@ -277,13 +288,19 @@ def attention_view(cfg: DictConfig, staging: Path) -> None:
         tokens, span = window_tokens(cfg, ckpt, tok, length)
         length = len(tokens)  # a needle prompt is as long as asked, up to its wording
         positions = torch.arange(cfg.start_pos, cfg.start_pos + length, device=ckpt.model.embed.weight.device)
-        dist_index, pos_index = log_buckets(length, cfg.buckets), np.arange(length) * cfg.buckets // length
+        queries = min(cfg.queries or length, length)  # the recorded rows: the window's last ones
+        dist_index, pos_index = log_buckets(length, cfg.buckets), np.arange(queries) * cfg.buckets // queries
+        query_positions = np.arange(length - queries, length) + cfg.start_pos
         for method, cell in method_grid(grid_cfg, ckpt, methods, length).items():
             ckpt.model.use_positions(cell.rope, cell.extend)
-            maps = record_attention(ckpt.model, tokens, positions, heat_layers, int(cfg.grid), span)
+            maps = record_attention(
+                ckpt.model, tokens, positions, heat_layers, int(cfg.grid), span, layers, cfg.queries
+            )
             keys = {"method": method, "length": length}
-            distance_rows += bucket_rows(maps.distance_mass, dist_index, "distance", np.arange(length), keys)
-            entropy_rows += bucket_rows(maps.entropy, pos_index, "position", np.arange(length), keys)
+            distance_rows += bucket_rows(
+                maps.distance_mass, dist_index, "distance", np.arange(length), keys, layers
+            )
+            entropy_rows += bucket_rows(maps.entropy, pos_index, "position", query_positions, keys, layers)
             for layer, heat in maps.heatmaps.items():
                 for head, qi, ki in np.ndindex(*heat.shape):
                     heat_rows.append(

@@ -242,3 +242,13 @@ def test_wandb_logs_the_pictures_offline(tmp_path, monkeypatch):
     visualize.run(compose_viz("view=rope", f"out={out}", "head_dim=16", "training_len=32", "wandb=true"))
     images = list((out / "wandb").glob("offline-run-*/files/media/images/*.png"))
     assert {p.name.split("_")[0] for p in images} >= {"rope"} and len(images) == 4
+
+
+def test_recording_the_last_queries_of_chosen_layers_keeps_their_numbers():
+    model = tiny(97, extend=ExtendConfig("self_extend", window=8, group=4))
+    idx = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2))
+    full = record_attention(model, idx, heat_layers=[1], grid=60)
+    last = record_attention(model, idx, heat_layers=[1], grid=20, layers=[1], queries=20)
+    torch.testing.assert_close(last.entropy[1], full.entropy[1, :, -20:], atol=1e-9, rtol=0)
+    torch.testing.assert_close(last.heatmaps[1], full.heatmaps[1][:, -20:].unflatten(-1, (20, 3)).mean(-1))
+    assert not last.entropy[0].any()  # layer 0 was not recorded

@@ -182,8 +182,10 @@ def attention_probabilities(
     k_grouped: torch.Tensor | None,
     near: torch.Tensor | None,
     mask: torch.Tensor | None,
+    first: int = 0,
 ):
-    """The softmax of attention, in blocks of queries: yields (a, b, probs) for query rows a..b-1,
+    """The softmax of attention, in blocks of queries: yields (a, b, probs) for query rows a..b-1 from row
+    `first` on (0: every row),
     probs (B, KV, H/KV, b-a, end) float32 at least over the first `end` key slots (later ones are masked
     for the whole block), the query heads grouped by the key-value head they read.
 
@@ -207,7 +209,7 @@ def attention_probabilities(
     mask = None if mask is None else mask[:, :, None]
     rows = max(1, SCORE_BLOCK_BYTES // score_row_bytes(B, H, S, q.element_size()))
     scale = 1.0 / math.sqrt(D)
-    for a in range(0, L, rows):
+    for a in range(first, L, rows):
         b = min(a + rows, L)
         end = S - L + b  # the slot of the block's last query: later keys are masked for the whole block
         scores = per_kv_head(q[..., a:b, :], k[:, :, :end].mT)  # (B, KV, H/KV, b-a, end)
