@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import LoadedCheckpoint
+from rope_llama.core.checks import check_number
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.data.tokenizer import Tokenizer
@@ -29,7 +30,6 @@ from rope_llama.inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
-    check_integer,
     generate,
     position_buckets,
     score_tokens,
@@ -161,7 +161,7 @@ def main(cfg: DictConfig) -> None:
     check_threads(cfg.threads)
     if cfg.mode == "sample":
         sampling = SamplingConfig(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy))
-        check_integer("num_samples", cfg.num_samples, 1)
+        check_number("num_samples", cfg.num_samples, minimum=1, integer=True, error=GenerationError)
         stop_strings(cfg.stop)
         texts = read_prompts(cfg)
         run_sample(cfg, *load(cfg), sampling, texts)

@@ -33,7 +33,7 @@ from rope_llama.inference.evaluation import (
     split_windows,
     window_losses,
 )
-from rope_llama.inference.generation import check_integer, check_scoring
+from rope_llama.inference.generation import check_scoring
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.options import (
     begin,
@@ -176,7 +176,7 @@ def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> N
 
 def check_options(cfg: DictConfig) -> None:
     check_common(cfg)
-    check_integer("chunk", cfg.chunk, 1)
+    check_number("chunk", cfg.chunk, minimum=1, integer=True)
     if cfg.bootstrap not in ("window", "document"):
         raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
     check_number("max_windows", cfg.max_windows, minimum=1, integer=True, allow_none=True, none_means="all")

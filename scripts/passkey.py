@@ -27,11 +27,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rope_llama import CONFIGS
+from rope_llama.core.checks import check_number
 from rope_llama.core.cli import one_sentence_errors
 from rope_llama.core.memory import check_fits
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
-from rope_llama.inference.generation import check_integer, generation_bytes
+from rope_llama.inference.generation import generation_bytes
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.options import (
     begin,
@@ -221,9 +222,9 @@ def task_prompts(
 @torch.inference_mode()
 def run(cfg: DictConfig) -> list[dict]:
     check_common(cfg)
-    check_integer("trials", cfg.trials, 1)
-    check_integer("candidates", cfg.candidates, 2)
-    check_integer("max_new_tokens", cfg.max_new_tokens, 1)
+    check_number("trials", cfg.trials, minimum=1, integer=True)
+    check_number("candidates", cfg.candidates, minimum=2, integer=True)
+    check_number("max_new_tokens", cfg.max_new_tokens, minimum=1, integer=True)
     tasks = task_options(cfg)
     depths = option_list(cfg, "depths", "[0,0.5,1]")
     for d in depths:

@@ -51,10 +51,10 @@ from omegaconf import OmegaConf
 
 from rope_llama import CONFIGS, ROOT
 from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
-from rope_llama.core.checks import check_number
+from rope_llama.core.checks import check_lengths, check_number, is_integer
 from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.core.threads import check_threads
-from rope_llama.inference.options import check_lengths, write_csv
+from rope_llama.inference.options import write_csv
 from rope_llama.inference.reporting import fmt, miss_column, miss_shares, plot_vs_length
 from rope_llama.inference.retrieval import GREEDY_MISSES, HELDOUT, TASKS, greedy_miss, pooled_heldout
 from rope_llama.inference.stats import pairwise_markdown, pairwise_table, wilson_interval
@@ -543,11 +543,10 @@ def plot_corpora(windows: dict[str, list[dict]], max_len: int, path: Path) -> No
 
 def seed_list(seeds: Any) -> list[int]:
     """The base models' seeds from `seeds`: a count n means 0..n-1; a list names them (distinct, >= 0)."""
-    integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731  (True is an int)
-    if integer(seeds) and seeds >= 1:
+    if is_integer(seeds) and seeds >= 1:
         return list(range(seeds))
     distinct = isinstance(seeds, list) and len(set(map(str, seeds))) == len(seeds) > 0
-    if distinct and all(integer(k) and k >= 0 for k in seeds):
+    if distinct and all(is_integer(k) and k >= 0 for k in seeds):
         return seeds
     raise ValueError(f"seeds must be a count >= 1 or a list of distinct seeds >= 0, got {seeds!r}.")
 
@@ -560,15 +559,9 @@ def check_config(cfg: StudyConfig) -> None:
         raise ValueError("corpora is empty; give at least one, e.g. corpora=[own].")
     if unknown := [t for t in cfg.retrieval_tasks if t not in (*TASKS, HELDOUT)]:
         raise ValueError(f"retrieval_tasks {unknown} are unknown; allowed tasks are {[*TASKS, HELDOUT]}.")
-    if isinstance(cfg.finetune_seeds, bool) or not (
-        isinstance(cfg.finetune_seeds, int) and 0 <= cfg.finetune_seeds <= len(seeds)
-    ):
-        raise ValueError(
-            f"finetune_seeds must be an integer from 0 to the number of seeds ({len(seeds)}), "
-            f"got {cfg.finetune_seeds!r}."
-        )
-    if not (isinstance(cfg.jobs, int) and cfg.jobs >= 1):
-        raise ValueError(f"jobs must be an integer >= 1 (steps run at once), got {cfg.jobs!r}.")
+    check_number("finetune_seeds", cfg.finetune_seeds, minimum=0, maximum=len(seeds), integer=True,
+                 allowed=f"an integer from 0 to the number of seeds ({len(seeds)})")  # fmt: skip
+    check_number("jobs", cfg.jobs, minimum=1, integer=True, means="steps run at once")
     # What the steps will pass on, checked before the first one starts (a step would find it only hours in).
     recipes = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
     if cfg.recipe is not None and cfg.recipe not in recipes:

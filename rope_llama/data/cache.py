@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from rope_llama import ROOT
 from rope_llama.core.checkpoint import atomic_file
+from rope_llama.core.checks import check_number
 from rope_llama.data import DataError
 from rope_llama.data.shards import ShardedTokens, ShardWriter, Store, content_problem, finished_shards
 from rope_llama.data.sources import (
@@ -155,8 +156,7 @@ def prepare(
         )
     for name, value in (("shard_tokens", shard_tokens), ("tokenizer_sample_chars", tokenizer_sample_chars),
                         ("workers", workers)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DataError(f"{name} must be a positive integer, got {value!r}.")
+        check_number(name, value, minimum=1, integer=True, allowed="a positive integer", error=DataError)
     root = cache_root or default_cache_root()
     key = cache_key(source, vocab_size, tokenizer_path, token_dtype, shard_tokens, tokenizer_sample_chars)
     directory = f"{root.rstrip('/')}/{source.get('kind', 'data')}-{key[:16]}"
