@@ -153,7 +153,7 @@ def write_checkpoint(folder: Path, tokenizer: Tokenizer, rope: RopeConfig, tie: 
 def run_generate_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter.
     Returns (exit code, stdout, stderr)."""
-    import generate
+    from rope_llama.cli import generate
 
     monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
     try:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-import train as train_py
+from rope_llama.cli import train as train_py
 from rope_llama.core.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -210,33 +210,33 @@ def run_hydra_main(main, argv: list[str], monkeypatch, capfd) -> tuple[int, str]
 
 
 def generate_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
-    import generate
+    from rope_llama.cli import generate
 
     return run_hydra_main(generate.main, [f"ckpt={path}", "prompt=ROMEO:"], monkeypatch, capfd)
 
 
 def export_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
-    from scripts import export_hf
+    from rope_llama.cli import export_hf
 
     return run_hydra_main(export_hf.main, [f"ckpt={path}", f"out={tmp_path / 'hf'}"], monkeypatch, capfd)
 
 
 def eval_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
-    from scripts import eval_extrapolation
+    from rope_llama.cli import eval_extrapolation
 
     argv = [f"ckpt={path}", f"out={tmp_path / 'eval'}", "lengths=[32]"]
     return run_hydra_main(eval_extrapolation.main, argv, monkeypatch, capfd)
 
 
 def passkey_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
-    from scripts import passkey
+    from rope_llama.cli import passkey
 
     argv = [f"ckpt={path}", f"out={tmp_path / 'passkey'}", "lengths=[32]"]
     return run_hydra_main(passkey.main, argv, monkeypatch, capfd)
 
 
 def study_cli(path: Path, tmp_path: Path, monkeypatch, capfd) -> tuple[int, str]:
-    from scripts import study
+    from rope_llama.cli import study
 
     with pytest.raises(
         SystemExit

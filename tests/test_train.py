@@ -12,17 +12,24 @@ import torch
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from rope_llama.cli.instantiate import build
+from rope_llama.cli.train import (
+    build_callbacks,
+    build_trainer,
+    resume_command,
+    run_positions,
+    run_summary,
+    train,
+)
 from rope_llama.core.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
-from rope_llama.core.cli import build
-from rope_llama.inference.samples import TextSample
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig
+from rope_llama.training.callbacks import TextSample
 from rope_llama.training.loggers import csv_logger, finish_wandb
 from rope_llama.training.module import LitLlama
 from rope_llama.training.optim import OptimConfig, build_optimizer, lr_multiplier
 from rope_llama.training.throughput import matmul_dtype
 from tests.helpers import CONFIGS, L0, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_callbacks, build_trainer, resume_command, run_positions, run_summary, train
 
 pytestmark = (
     pytest.mark.hardware

@@ -45,7 +45,7 @@ from rope_llama.bench.scoring import bench_scoring
 from rope_llama.bench.threads import bench_threads
 from rope_llama.bench.timing import PRECISIONS, Progress, compute_dtype, matmul_peak
 from rope_llama.bench.training import bench_train, resolve_train_precisions, time_to_quality, train_dtypes
-from rope_llama.core.cli import build
+from rope_llama.cli.instantiate import build
 from rope_llama.core.device import resolve_device
 from rope_llama.core.precision import AUTO
 from rope_llama.kernels.cpuinfo import cpu_model

@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rope_llama import CONFIGS
-from rope_llama.core.cli import build
+from rope_llama.cli.instantiate import build
 from rope_llama.core.precision import AUTO, resolve_precision
 from rope_llama.kernels import use_kernels
 from rope_llama.model.llama import Llama

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
 from rope_llama.core.checks import check_number
-from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.retrieval import NEEDLE, QUESTION, RetrievalPrompt, passkey_prompt

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
 from rope_llama.core.checks import check_number
-from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.training.optim import OptimConfig, build_optimizer

@@ -22,8 +22,17 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import (
+    begin,
+    check_common,
+    long_documents,
+    method_grid,
+    method_names,
+    print_matched_groups,
+    with_largest_cache,
+)
 from rope_llama.core.checks import check_number
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.inference.evaluation import (
     bootstrap_mean,
     bucket_curve,
@@ -35,17 +44,7 @@ from rope_llama.inference.evaluation import (
 )
 from rope_llama.inference.generation import check_scoring
 from rope_llama.inference.loading import load_model
-from rope_llama.inference.options import (
-    begin,
-    check_common,
-    long_documents,
-    method_grid,
-    method_names,
-    print_matched_groups,
-    with_largest_cache,
-    write_csv,
-)
-from rope_llama.inference.reporting import fmt
+from rope_llama.inference.reporting import fmt, write_csv
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)

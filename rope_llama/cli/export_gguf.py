@@ -16,10 +16,10 @@ import hydra
 from omegaconf import DictConfig
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import require
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import Tokenizer
-from rope_llama.inference.options import require
 from rope_llama.interchange.destination import check_export_destination
 from rope_llama.interchange.gguf import check_dtype, gguf_writer, save
 from rope_llama.model.rope import ntk_base

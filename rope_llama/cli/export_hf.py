@@ -22,10 +22,10 @@ from tokenizers import processors
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import require
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import BOS, EOS, Tokenizer
-from rope_llama.inference.options import require
 from rope_llama.interchange.destination import check_export_destination
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
 from rope_llama.model.rope import ntk_base

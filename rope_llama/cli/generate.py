@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.checks import check_number
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import (

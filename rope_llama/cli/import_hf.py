@@ -24,10 +24,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import require
 from rope_llama.core.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.tokenizer import Tokenizer
-from rope_llama.inference.options import require
 from rope_llama.interchange.hf import from_hf_state_dict, model_config_from_hf
 from rope_llama.model.llama import Llama
 

@@ -1,9 +1,8 @@
-"""What the evaluation scripts share: option checks, the method grid, held-out documents."""
+"""What the entry points share: option checks (missing `???` values, lists, output directories), and the
+evaluation scripts' method grid, thread and dtype report and held-out documents."""
 
 from __future__ import annotations
 
-import csv
-import io
 import sys
 import tempfile
 from dataclasses import replace
@@ -13,9 +12,9 @@ from typing import NamedTuple
 import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
+from rope_llama.cli.instantiate import build
+from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.checks import check_lengths, check_number
-from rope_llama.core.cli import build
 from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_positions
@@ -204,12 +203,3 @@ def long_documents(cfg: DictConfig, ckpt: LoadedCheckpoint, min_tokens: int) -> 
         f"({', '.join(str(len(d)) for d in long)} tokens)."
     )
     return long
-
-
-def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
-    """rows -> CSV with a header (the first row's keys unless `fields` is given), written atomically."""
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=fields or list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, text.getvalue())

@@ -27,14 +27,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rope_llama import CONFIGS
-from rope_llama.core.checks import check_number
-from rope_llama.core.cli import one_sentence_errors
-from rope_llama.core.memory import check_fits
-from rope_llama.data.tokenizer import Tokenizer
-from rope_llama.inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
-from rope_llama.inference.generation import generation_bytes
-from rope_llama.inference.loading import load_model
-from rope_llama.inference.options import (
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import (
     begin,
     check_common,
     method_grid,
@@ -42,9 +36,14 @@ from rope_llama.inference.options import (
     option_list,
     print_matched_groups,
     with_largest_cache,
-    write_csv,
 )
-from rope_llama.inference.reporting import miss_column, miss_shares, plot_vs_length
+from rope_llama.core.checks import check_number
+from rope_llama.core.memory import check_fits
+from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.inference.evaluation import answer_and_rank, answered_length, forward_groups, rows_per_forward
+from rope_llama.inference.generation import generation_bytes
+from rope_llama.inference.loading import load_model
+from rope_llama.inference.reporting import miss_column, miss_shares, plot_vs_length, write_csv
 from rope_llama.inference.retrieval import (
     GREEDY_MISSES,
     HELDOUT,

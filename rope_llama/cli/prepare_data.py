@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rope_llama import CONFIGS
-from rope_llama.core.cli import one_sentence_errors
+from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.data.cache import prepare
 
 

@@ -22,6 +22,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama import CONFIGS
+from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
+from rope_llama.cli.instantiate import build
 from rope_llama.core.checkpoint import (
     CheckpointError,
     check_weights_fit,
@@ -31,7 +33,6 @@ from rope_llama.core.checkpoint import (
     read_entries,
     safe_load,
 )
-from rope_llama.core.cli import USER_ERRORS, build, one_sentence_errors
 from rope_llama.core.precision import resolve_precision
 from rope_llama.data.positions import PositionsConfig
 from rope_llama.model.config import TrainedLengths
