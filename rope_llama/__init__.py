@@ -23,6 +23,14 @@ included, and fails on one that reaches down the list):
 
 from pathlib import Path
 
-# The checkout: train.py, generate.py and configs/ live beside the package (installed editable by `make setup`).
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+PACKAGE = Path(__file__).resolve().parent
+# The Hydra config tree ships inside the package (package data: pyproject.toml), so an installed copy runs as
+# the checkout does; every entry point composes from it (hydra.main's config_path).
+CONFIGS = PACKAGE / "configs"
+
+
+def checkout() -> Path | None:
+    """The checkout this package runs from (an editable install, PYTHONPATH or `python train.py` there), or
+    None for an installed copy: what decides where caches go by default (data/cache.py)."""
+    root = PACKAGE.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "train.py").is_file() else None

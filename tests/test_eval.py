@@ -64,7 +64,7 @@ def ckpt(run_dir):
 
 
 def compose_script(name: str, run_dir, out, *overrides: str):
-    """configs/<name>.yaml as the CLI composes it, in float32 (the reference mode these tests compare
+    """rope_llama/configs/<name>.yaml as the CLI composes it, in float32 (the reference mode these tests compare
     against, on any CPU: dtype=auto would follow the host)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(

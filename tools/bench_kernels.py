@@ -1,4 +1,4 @@
-"""One training step, two ways: kernels on against off (`kernels: true|false` in configs/train.yaml), the
+"""One training step, two ways: kernels on against off (`kernels: true|false` in rope_llama/configs/train.yaml), the
 transformer blocks compiled against eager (`compile: true|false`), or optim=muon's Newton-Schulz iterations
 in fp32 against bf16 (`optim.muon_dtype`; bf16 is what torch.optim.Muon always uses).
 

@@ -31,7 +31,7 @@ import tokenizers
 from filelock import FileLock
 from tqdm import tqdm
 
-from rope_llama import ROOT
+from rope_llama import checkout
 from rope_llama.core.checkpoint import atomic_file
 from rope_llama.core.checks import check_number
 from rope_llama.data import DataError
@@ -59,8 +59,13 @@ TOKENIZE_BLOCK_CHARS = 2**25  # text per worker handed out at once: bounds memor
 
 
 def default_cache_root() -> str:
-    """<checkout>/.cache/data (the checkout holds the rope_llama package)."""
-    return str(ROOT / ".cache" / "data")
+    """Where token caches go unless data.cache_dir says: <checkout>/.cache/data when the package runs from a
+    checkout, else the user's cache directory ($XDG_CACHE_HOME, by default ~/.cache) /rope-llama/data."""
+    root = checkout()
+    if root is not None:
+        return str(root / ".cache" / "data")
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(user_cache, "rope-llama", "data")  # beside the C decode step's (kernels/cpu_decode.py)
 
 
 class TokenCache:
