@@ -1,6 +1,7 @@
 """The layers rope_llama/__init__.py declares: every import of every module of the package (type-only and
 function-local ones included) reaches only its own package, the top-level module, or a package declared
-before its own. Also: the targets older runs' saved configs name still build."""
+before its own. Also: no source file outgrows one concern, and the targets older runs' saved configs name
+still build."""
 
 from __future__ import annotations
 
@@ -100,6 +101,19 @@ def test_the_check_finds_type_only_local_and_relative_imports():
     )
     top = upward_imports(Path("rope_llama/__init__.py"), "from rope_llama.model import llama\n", layers)
     assert len(top) == 1
+
+
+MAX_LINES = 600  # a file longer than this holds more than one concern: split it by concern
+
+
+def test_no_source_file_is_longer_than_600_lines():
+    checkout = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(checkout / "tests").glob("*.py"), *(checkout / "scripts").glob("*.py"),
+             *(checkout / "tools").glob("*.py"), *checkout.glob("*.py")]  # fmt: skip
+    long = {
+        str(f.relative_to(checkout)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
 
 
 @pytest.mark.parametrize(
