@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from rope_llama.cli import train as train_module
 from rope_llama.cli.instantiate import build
 from rope_llama.cli.train import (
     build_callbacks,
@@ -159,7 +160,7 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     assert len(ckpt["tokenizer"]["sha256"]) == 64
 
 
-def test_resume_command_repeats_the_runs_own_overrides():
+def test_resume_command_repeats_the_runs_own_overrides(monkeypatch):
     """The SIGTERM hint resumes the same run: its recipe and settings, its directory, ckpt_path=last."""
     run_dir = Path("runs/2026-11-26_03-00-00")
     task = [
@@ -175,6 +176,8 @@ def test_resume_command_repeats_the_runs_own_overrides():
     assert named == "python train.py run_name=mine seed=3 ckpt_path=last"
     placed = resume_command(["seed=3"], ["hydra.run.dir=/tmp/my run"], Path("/tmp/my run"))
     assert placed == "python train.py seed=3 'hydra.run.dir=/tmp/my run' ckpt_path=last"
+    monkeypatch.setattr(train_module, "checkout", lambda: None)  # an installed copy: its console script
+    assert resume_command(["seed=3"], [], Path("runs/x")) == "rope-train seed=3 run_name=x ckpt_path=last"
 
 
 @pytest.mark.parametrize(

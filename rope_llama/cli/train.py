@@ -1,4 +1,5 @@
 """Train a LLaMA-style model: compose the Hydra config -> DataModule + LitLlama + Trainer -> fit.
+From the checkout `python train.py`; installed, the console script `rope-train` (same options).
 
 python train.py                                   # small model, embedded Shakespeare, CPU
 python train.py rope=ntk rope.factor=4 data.max_len=512 model=tiny trainer.max_steps=50
@@ -21,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rope_llama import CONFIGS
+from rope_llama import CONFIGS, checkout
 from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
 from rope_llama.cli.instantiate import build
 from rope_llama.core.checkpoint import (
@@ -291,7 +292,10 @@ def resume_command(task_overrides: list[str], hydra_overrides: list[str], run_di
     keep += [o for o in hydra_overrides if o.startswith("hydra.run.dir=")]
     if not any(o.startswith(("run_name=", "hydra.run.dir=")) for o in keep):
         keep.append(f"run_name={run_dir.name}")  # the default run_name is a timestamp: name it
-    return " ".join(["python train.py", *map(shlex.quote, keep), "ckpt_path=last"])
+    program = (
+        "python train.py" if checkout() is not None else "rope-train"
+    )  # the checkout's or the console script
+    return " ".join([program, *map(shlex.quote, keep), "ckpt_path=last"])
 
 
 def remove_empty_run_dir(run_dir: Path) -> None:

@@ -65,7 +65,9 @@ def default_cache_root() -> str:
     if root is not None:
         return str(root / ".cache" / "data")
     user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(user_cache, "rope-llama", "data")  # beside the C decode step's (kernels/cpu_decode.py)
+    return os.path.join(
+        user_cache, "rope-llama", "data"
+    )  # beside the C decode step's (kernels/cpu_decode.py)
 
 
 class TokenCache:
