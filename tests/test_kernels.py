@@ -6,7 +6,6 @@ float32 (atol 1e-5, rtol 1e-5: float32 rounding of a different operation order) 
 """
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ pytestmark = (
     pytest.mark.hardware
 )  # precision=auto's branch: .ci/run runs this file with bf16 forced on and off
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
