@@ -15,7 +15,8 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-install only when a requirements file changed (fast no-op otherwise).
-# The project itself goes in editable (--no-deps: its pins are requirements.txt's), so nothing needs sys.path.
+# The project itself goes in editable (--no-deps: its pins are requirements.txt's, which pyproject.toml's ranges
+# admit), so nothing needs sys.path.
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt

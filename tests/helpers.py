@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from rope_llama import CONFIGS  # noqa: F401  (re-exported: the tests compose the config tree from here)
 from rope_llama.core.checkpoint import (
     atomic_torch_save,
     model_state_from_checkpoint,
@@ -27,8 +28,7 @@ from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 L0 = 32  # the training length of the tiny runs, models and checkpoints below
 # The RoPE settings every parity test runs (model, HF export, GGUF): each scaling, and the other layout.
 ROPES = {
@@ -79,7 +79,7 @@ def tiny_overrides(tmp_path: Path, corpus: str) -> list[str]:
 
 
 def compose_train(overrides: list[str], run_dir: Path, config_name: str = "train"):
-    """Compose configs/<config_name>.yaml as the CLI would and register it as the running Hydra config."""
+    """Compose rope_llama/configs/<config_name>.yaml as the CLI would and register it as the running Hydra config."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
@@ -153,7 +153,7 @@ def write_checkpoint(folder: Path, tokenizer: Tokenizer, rope: RopeConfig, tie: 
 def run_generate_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """generate.main() as the command line runs it (Hydra parsing included), without a new interpreter.
     Returns (exit code, stdout, stderr)."""
-    import generate
+    from rope_llama.cli import generate
 
     monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
     try:

@@ -253,7 +253,7 @@ def good_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_dir(good_run, tmp_path_factory) -> Path:
     """good_run exported as a Hugging Face directory: import_hf's input; rows damage copies of it."""
-    from scripts.export_hf import export
+    from rope_llama.cli.export_hf import export
 
     return export(good_run, tmp_path_factory.mktemp("export") / "hf")
 

@@ -10,16 +10,16 @@ import dataclasses
 import pytest
 import torch
 
+from rope_llama.cli import eval_extrapolation, passkey
+from rope_llama.cli.train import run_positions, train
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.model.config import ModelConfig, TrainedLengths
 from rope_llama.model.context import reference_len, resolve_positions
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
-from scripts import eval_extrapolation, passkey
 from tests.helpers import L0, compose_train, small_corpus, tiny_overrides
 from tests.test_eval import compose_script, eval_cfg, rows_by
-from train import run_positions, train
 
 CHECKPOINT = ModelConfig(
     rope=RopeConfig(base=500.0, layout="interleaved", rotary_dim=8, original_max_len=32),

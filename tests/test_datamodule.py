@@ -11,9 +11,7 @@ import torch
 from rope_llama.data import DataError
 from rope_llama.data.cache import prepare
 from rope_llama.data.tokenizer import Tokenizer
-from tests.helpers import garbage, overwrite_bytes, small_source
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import CONFIGS, garbage, overwrite_bytes, small_source
 
 VOCAB = 512
 
@@ -245,7 +243,7 @@ def test_hydra_configs_instantiate_and_full_shakespeare_prepares_in_budget(tmp_p
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "data")
+    config_dir = str(CONFIGS / "data")
     with initialize_config_dir(config_dir, version_base=None):
         for name in ("tinystories", "wikitext103", "fineweb_edu", "text_files"):
             cfg = compose(name)

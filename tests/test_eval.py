@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from rope_llama.cli import eval_extrapolation, passkey
+from rope_llama.cli.options import datamodule_for, method_grid
+from rope_llama.cli.train import train
 from rope_llama.core import memory
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.core.memory import MemoryBudgetError
@@ -31,16 +34,13 @@ from rope_llama.inference.evaluation import (
     window_losses,
 )
 from rope_llama.inference.generation import GREEDY, check_scoring, generate, score_tokens
-from rope_llama.inference.options import datamodule_for, method_grid
 from rope_llama.inference.retrieval import GREEDY_MISSES, HELDOUT_TASKS, build_prompt, first_integer
 from rope_llama.inference.stats import wilson_interval
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
 from rope_llama.training.module import LitLlama
-from scripts import eval_extrapolation, passkey
 from tests.helpers import CONFIGS, L0, ROOT, compose_train, small_corpus, tiny_overrides
-from train import train
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def ckpt(run_dir):
 
 
 def compose_script(name: str, run_dir, out, *overrides: str):
-    """configs/<name>.yaml as the CLI composes it, in float32 (the reference mode these tests compare
+    """rope_llama/configs/<name>.yaml as the CLI composes it, in float32 (the reference mode these tests compare
     against, on any CPU: dtype=auto would follow the host)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(

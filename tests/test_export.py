@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rope_llama.cli.export_hf import export, main
+from rope_llama.cli.import_hf import import_hf
 from rope_llama.core.checkpoint import file_sha256, load_checkpoint
 from rope_llama.data.tokenizer import train_tokenizer
 from rope_llama.inference.generation import GREEDY, generate
 from rope_llama.inference.loading import load_model
 from rope_llama.model.rope import RopeConfig
-from scripts.export_hf import export, main
-from scripts.import_hf import import_hf
 from tests.helpers import L0, ROOT, ROPES, write_checkpoint
 
 
@@ -153,7 +153,7 @@ def test_export_refuses_an_out_that_overlaps_the_checkpoint_run(
 
 def test_exports_never_write_into_another_run_directory(tmp_path, macbeth_tokenizer):
     """Not even with overwrite=true: a run directory is any folder holding checkpoints/ or .hydra/."""
-    from scripts.export_gguf import export as export_gguf
+    from rope_llama.cli.export_gguf import export as export_gguf
 
     ckpt = write_checkpoint(tmp_path / "a" / "checkpoints", macbeth_tokenizer, ROPES["none"])
     other = tmp_path / "b"
@@ -183,7 +183,7 @@ def test_overwrite_replaces_only_the_files_export_writes(tmp_path, macbeth_token
 
 
 def import_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    from scripts.import_hf import main as import_main
+    from rope_llama.cli.import_hf import main as import_main
 
     monkeypatch.setattr(sys, "argv", ["import_hf.py", *args])
     with pytest.raises(SystemExit) as exit_info:

@@ -347,8 +347,8 @@ def test_native_decode_refuses_an_extension():
 @pytest.mark.parametrize("target", ["hf", "gguf"])
 def test_export_refuses_an_extension(target, tmp_path):
     """transformers' Llama and GGUF cannot express an extension: both exports refuse it, write nothing."""
-    from scripts.export_gguf import export as export_gguf
-    from scripts.export_hf import export as export_hf
+    from rope_llama.cli.export_gguf import export as export_gguf
+    from rope_llama.cli.export_hf import export as export_hf
 
     tok = text_tokenizer(tmp_path)
     ckpt = (

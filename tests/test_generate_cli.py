@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import generate as cli
+from rope_llama.cli import generate as cli
 from rope_llama.core.checkpoint import atomic_torch_save
 from rope_llama.inference.generation import (
     Generation,

@@ -16,6 +16,7 @@ import torch
 from tokenizers import normalizers
 
 from rope_llama.bench.peers import llama_cpp_model
+from rope_llama.cli.export_gguf import export, main
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GREEDY, generate
@@ -23,7 +24,6 @@ from rope_llama.interchange.gguf import ARCH
 from rope_llama.interchange.hf import from_hf_state_dict, interleaved_to_half, to_hf_state_dict
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding, ntk_base
-from scripts.export_gguf import export, main
 from tests.helpers import L0, ROPES, write_checkpoint
 
 EXPORTABLE = {

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from rope_llama.cli.train import train
 from tests.helpers import compose_train
-from train import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_30_steps.json"
 # The run: train.py's defaults (seed 1337, data=shakespeare with its 4096-token BPE, max_len 256, optim=adamw,

@@ -14,6 +14,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from rope_llama.cli.export_gguf import export as export_gguf
+from rope_llama.cli.export_hf import export as export_hf
+from rope_llama.cli.import_gguf import import_gguf, main
+from rope_llama.cli.import_hf import import_hf
 from rope_llama.core.checkpoint import file_sha256, load_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import generate
@@ -23,10 +27,6 @@ from rope_llama.interchange.gguf_import import llama3_parameters
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
-from scripts.export_gguf import export as export_gguf
-from scripts.export_hf import export as export_hf
-from scripts.import_gguf import import_gguf, main
-from scripts.import_hf import import_hf
 
 Q = gguf.GGMLQuantizationType
 L0 = 32  # the original context of the scaled files; the logits run over 4 L0 = 128 tokens

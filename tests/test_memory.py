@@ -9,11 +9,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from rope_llama.cli import eval_extrapolation
 from rope_llama.core import memory
 from rope_llama.core.memory import MemoryBudgetError, check_fits, human_bytes, new_kv_cache
 from rope_llama.inference.generation import score_tokens
 from rope_llama.model.kv_cache import KVCache, cache_bytes
-from scripts import eval_extrapolation
 from tests.helpers import CONFIGS, ROOT, run_generate_main, save_run, text_tokenizer, tiny
 
 GiB = 2**30

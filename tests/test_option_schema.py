@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from rope_llama.data.positions import PositionsConfig
 from rope_llama.inference.generation import SamplingConfig
-from rope_llama.inference.samples import TextSample
+from rope_llama.training.callbacks import TextSample
 from rope_llama.training.optim import OptimConfig
 from rope_llama.training.trainer_checks import check_trainer
 from tests.helpers import CONFIGS

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import rope_llama.data.cache as cache_mod
-from rope_llama import ROOT
 from rope_llama.data import DataError
 from rope_llama.data.cache import prepare
 from rope_llama.data.datamodule import RandomWindows
 from rope_llama.data.shards import ShardedTokens, ShardWriter, Store
-from tests.helpers import garbage, overwrite_bytes, text_corpus
+from tests.helpers import ROOT, garbage, overwrite_bytes, text_corpus
 
 VOCAB = 320
 SHARD = 1000  # tokens per shard: the small corpus below spans several, and documents cross their edges

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from rope_llama.bench.peers import llama_cpp_model
+from rope_llama.cli.export_gguf import export as export_gguf
+from rope_llama.cli.import_gguf import import_gguf
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.data.sources import load_documents
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GREEDY, generate
 from rope_llama.model.config import TrainedLengths
-from scripts.export_gguf import export as export_gguf
-from scripts.import_gguf import import_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""scripts/study.py: the steps it runs and resumes, its options, and its tables."""
+"""The study (rope_llama/study/, run by scripts/study.py): the steps it runs and resumes, its options, and its tables."""
 
 from __future__ import annotations
 
@@ -15,28 +15,28 @@ import pytest
 
 from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.inference.stats import wilson_interval
-from scripts import study
+from rope_llama.study import config, lanes, tables
 from tests.helpers import ROOT, compose_train, small_corpus
 
 
 def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path, monkeypatch):
     commands = []
 
-    def fake_run(command, cwd, **_):  # records train.py's command line, then "fails" to stop the study
+    def fake_run(command, **_):  # records train.py's command line, then "fails" to stop the study
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=1)
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     base = tmp_path / "runs" / "base_s0"
     (base / "checkpoints").mkdir(parents=True)
     (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
     with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
-    assert commands[-1][1] == "train.py" and commands[-1][-1] == "ckpt_path=last"
+        lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
+    assert commands[-1][2] == "rope_llama.cli.train" and commands[-1][-1] == "ckpt_path=last"
     assert "seed=1337" in commands[-1] and "experiment=[recall_base]" in commands[-1]  # seed 0, recipe
-    (base / study.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
+    (base / lanes.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), jobs=1), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
 
 
 def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
@@ -44,28 +44,30 @@ def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
     the step succeeded, is; the marker is written last and atomically."""
     commands = []
 
-    def fake_run(command, cwd, **_):
+    def fake_run(command, **_):
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=0 if len(commands) == 1 else 1)
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     (tmp_path / "runs" / "base_s0").mkdir(parents=True)
-    (tmp_path / "runs" / "base_s0" / study.TRAINED).touch()
+    (tmp_path / "runs" / "base_s0" / lanes.TRAINED).touch()
     eval_dir = tmp_path / "eval" / "own" / "base_s0"
     eval_dir.mkdir(parents=True)
     (eval_dir / "windows.csv").write_text("method,length,lo")  # truncated
-    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on kjv' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, jobs=1), [])
-    assert commands[0][1] == "scripts/eval_extrapolation.py" and f"out={eval_dir}" in commands[0]  # ran again
-    assert (eval_dir / study.DONE).read_text() == " ".join(commands[0][1:]) + "\n"
-    assert not (tmp_path / "eval" / "kjv" / "base_s0" / study.DONE).exists()  # the failed step: no marker
+        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=1, jobs=1), [])
+    assert (
+        commands[0][2] == "rope_llama.cli.eval_extrapolation" and f"out={eval_dir}" in commands[0]
+    )  # ran again
+    assert (eval_dir / lanes.DONE).read_text() == " ".join(commands[0][1:]) + "\n"
+    assert not (tmp_path / "eval" / "kjv" / "base_s0" / lanes.DONE).exists()  # the failed step: no marker
 
 
 def finished(out: Path, name: str, corpora: tuple[str, ...] = ("own", "kjv")) -> None:
     """Mark a study run as trained, evaluated on `corpora` and retrieved, as a finished study leaves it."""
-    for done in [out / "runs" / name / study.TRAINED, out / "retrieval" / name / study.DONE,
-                 *(out / "eval" / corpus / name / study.DONE for corpus in corpora)]:  # fmt: skip
+    for done in [out / "runs" / name / lanes.TRAINED, out / "retrieval" / name / lanes.DONE,
+                 *(out / "eval" / corpus / name / lanes.DONE for corpus in corpora)]:  # fmt: skip
         done.parent.mkdir(parents=True, exist_ok=True)
         done.touch()
 
@@ -75,21 +77,21 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
     their composed config must keep the recipe's model (and data) settings and add extend_context's."""
     commands = []
 
-    def fake_run(command, cwd, **_):
+    def fake_run(command, **_):
         commands.append(command)
         return subprocess.CompletedProcess(command, returncode=1)  # stop the study after this step
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     for name in (
         "base_s0",
         "large_base",
-        study.RANDOMIZED,
+        config.RANDOMIZED,
     ):  # trained and evaluated: the PI fine-tune runs next
         finished(tmp_path, name)
-    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
-    overrides = [c for c in commands[-1][2:] if not c.startswith(("hydra.", "init_from="))]
+        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
+    overrides = [c for c in commands[-1][3:] if not c.startswith(("hydra.", "init_from="))]
     assert overrides == ["experiment=[recall_base,extend_context]"]
     cfg = compose_train(overrides, tmp_path / "pi")
     assert cfg.model.mix_previous_tokens == 3 and cfg.data.recall.fraction > 0  # the recipe's
@@ -102,25 +104,30 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
     PI fine-tune starts from the first seed's base, not from a base_s0 that does not exist."""
     commands = []
 
-    def fake_run(command, cwd, **_):
+    def fake_run(command, **_):
         commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=1 if command[1] == "train.py" else 0)
+        return subprocess.CompletedProcess(
+            command, returncode=1 if command[2] == "rope_llama.cli.train" else 0
+        )
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
-    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train base_s7' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
     assert commands[-1][-3:] == ["seed=1344", "data.seed=1344", "++data.recall.seed=7"]
     for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
         (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
-        (tmp_path / "runs" / f"base_s{seed}" / study.TRAINED).touch()
-    for name in ("large_base", study.RANDOMIZED):  # the lanes that run before the fine-tunes: done
+        (tmp_path / "runs" / f"base_s{seed}" / lanes.TRAINED).touch()
+    for name in ("large_base", config.RANDOMIZED):  # the lanes that run before the fine-tunes: done
         finished(tmp_path, name, corpora=("own",))
     commands.clear()
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
-    evaluations = ["scripts/eval_extrapolation.py", "scripts/passkey.py"] * 2  # base_s7's, then base_s3's
-    assert [c[1] for c in commands] == [*evaluations, "train.py"]
+        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+    evaluations = [
+        "rope_llama.cli.eval_extrapolation",
+        "rope_llama.cli.passkey",
+    ] * 2  # base_s7's, then base_s3's
+    assert [c[2] for c in commands] == [*evaluations, "rope_llama.cli.train"]
     assert f"init_from={tmp_path / 'runs' / 'base_s7' / 'last.ckpt'}" in commands[-1]
 
 
@@ -130,29 +137,29 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
     have workers while base_s0 still trains, start only after that training has ended."""
     lock, running, events, envs = threading.Lock(), [0], [], []
 
-    def fake_run(command, cwd, stdout, stderr, env):
-        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+    def fake_run(command, stdout, stderr, env):
+        name = next(c for c in command[3:] if c.startswith(("hydra.run.dir=", "out=")))
         Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)  # as train.py does
         with lock:
             running[0] += 1
-            events.append(("start", command[1], name, running[0]))
+            events.append(("start", command[2], name, running[0]))
             envs.append((env["OMP_NUM_THREADS"], Path(stdout.name).parent))
         time.sleep(0.5 if name.endswith("runs/base_s0") else 0.05)  # the first base trains longest
         with lock:
             running[0] -= 1
-            events.append(("end", command[1], name, running[0]))
+            events.append(("end", command[2], name, running[0]))
         return subprocess.CompletedProcess(command, returncode=0)
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
-    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
-    monkeypatch.setattr(study, "summarise", lambda *args: None)  # the fakes write no tables
-    study.run(study.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(lanes, "summarise", lambda *args: None)  # the fakes write no tables
+    lanes.run(config.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
     starts = [e for e in events if e[0] == "start"]
     assert max(e[3] for e in starts) == 3  # three at once, never four
     # trainings (2 bases, pi, yarn, 6 PoSE, large base, randomized), evaluations, retrievals (no large base)
     assert len(starts) == len({(e[1], e[2]) for e in starts}) == 12 + 12 + 11
     assert set(envs) == {(str(max(1, (os.cpu_count() or 1) // 3)), tmp_path / "logs")}
-    order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "train.py"]
+    order = [(e[0], e[2].rsplit("/", 1)[-1]) for e in events if e[1] == "rope_llama.cli.train"]
     base_end = order.index(("end", "base_s0"))
     for finetune in (
         "pi",
@@ -173,29 +180,29 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
     ended (base_s3 trains longest here, so a fine-tune that waited for base_s7 alone would start early)."""
     lock, events, commands = threading.Lock(), [], {}
 
-    def fake_run(command, cwd, stdout, stderr, env):
-        name = next(c for c in command[2:] if c.startswith(("hydra.run.dir=", "out=")))
+    def fake_run(command, stdout, stderr, env):
+        name = next(c for c in command[3:] if c.startswith(("hydra.run.dir=", "out=")))
         Path(name.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)
         with lock:
-            events.append(("start", command[1], name.rsplit("/", 1)[-1]))
-            commands[command[1], name.rsplit("/", 1)[-1]] = command
+            events.append(("start", command[2], name.rsplit("/", 1)[-1]))
+            commands[command[2], name.rsplit("/", 1)[-1]] = command
         time.sleep(0.5 if name.endswith("runs/base_s3") else 0.05)
         with lock:
-            events.append(("end", command[1], name.rsplit("/", 1)[-1]))
+            events.append(("end", command[2], name.rsplit("/", 1)[-1]))
         return subprocess.CompletedProcess(command, returncode=0)
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
-    monkeypatch.setattr(study, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     summarised = []
-    monkeypatch.setattr(study, "summarise", lambda cfg, out, models, *rest: summarised.append(models))
-    cfg = study.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
-    study.run(cfg, [])
-    order = [(e[0], e[2]) for e in events if e[1] == "train.py"]
+    monkeypatch.setattr(lanes, "summarise", lambda cfg, out, models, *rest: summarised.append(models))
+    cfg = config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
+    lanes.run(cfg, [])
+    order = [(e[0], e[2]) for e in events if e[1] == "rope_llama.cli.train"]
     pose = [f"pose{f}_{r}" for f in (4, 16) for r in ("none", "pi", "yarn")]
     finetunes = [(name, "base_s7") for name in ("pi", "yarn", *pose)]
     finetunes += [(name, "base_s3") for name in ("pi_s3", "yarn_s3", *(f"{p}_s3" for p in pose))]
     for name, base in finetunes:
-        command = commands["train.py", name]
+        command = commands["rope_llama.cli.train", name]
         assert f"init_from={tmp_path / 'runs' / base / 'last.ckpt'}" in command
         assert ("rope=yarn" in command) == ("yarn" in name)
         assert order.index(("end", base)) < order.index(("start", name))
@@ -207,19 +214,19 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
             )
             assert not any(c.startswith("rope.factor=") for c in command)
     assert order.index(("start", "pi")) < order.index(("end", "base_s3"))  # not held back by the other base
-    assert "experiment=[recall_base,randomized_positions]" in commands["train.py", "randomized"]
+    assert "experiment=[recall_base,randomized_positions]" in commands["rope_llama.cli.train", "randomized"]
     assert summarised == [["base_s7", "base_s3", "pi", "yarn", "pi_s3", "yarn_s3", *pose, *(f"{p}_s3" for p in pose),
                            "large_base", "randomized"]]  # fmt: skip
 
 
 def test_study_names_map_to_model_and_seed():
-    assert study.model_and_seed("base_s3", 7) == ("base", 3)
-    assert study.model_and_seed("yarn_s3", 7) == ("yarn", 3)
-    assert study.model_and_seed("pi", 7) == ("pi", 7)  # the first seed's fine-tune
-    assert study.model_and_seed("large_base", 7) == ("large_base", 0)
-    assert study.model_and_seed("pose16_yarn", 7) == ("pose16_yarn", 7)
-    assert study.model_and_seed("pose4_pi_s3", 7) == ("pose4_pi", 3)
-    assert study.model_and_seed("randomized", 7) == ("randomized", 0)
+    assert config.model_and_seed("base_s3", 7) == ("base", 3)
+    assert config.model_and_seed("yarn_s3", 7) == ("yarn", 3)
+    assert config.model_and_seed("pi", 7) == ("pi", 7)  # the first seed's fine-tune
+    assert config.model_and_seed("large_base", 7) == ("large_base", 0)
+    assert config.model_and_seed("pose16_yarn", 7) == ("pose16_yarn", 7)
+    assert config.model_and_seed("pose4_pi_s3", 7) == ("pose4_pi", 3)
+    assert config.model_and_seed("randomized", 7) == ("randomized", 0)
 
 
 @pytest.mark.parametrize("finetune_seeds", [-1, 3, 1.5, True])
@@ -227,37 +234,40 @@ def test_study_rejects_bad_finetune_seeds_in_one_sentence(finetune_seeds):
     with pytest.raises(
         ValueError, match=r"^finetune_seeds must be an integer from 0 to the number of seeds \(2\)"
     ):
-        study.check_config(study.StudyConfig(seeds=2, finetune_seeds=finetune_seeds))
+        config.check_config(config.StudyConfig(seeds=2, finetune_seeds=finetune_seeds))
 
 
 def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_log(tmp_path, monkeypatch):
     commands = []
 
-    def fake_run(command, cwd, stdout, stderr, env):
+    def fake_run(command, stdout, stderr, env):
         commands.append(command)
-        fails = "base_s0" in command[2]
+        fails = "base_s0" in command[3]
         stdout.write("Epoch 0: 10%\rEpoch 0: 20%\nerror: out of memory\n" if fails else "")
         return subprocess.CompletedProcess(command, returncode=1 if fails else 0)
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     log = tmp_path / "logs" / "train_base_s0.log"
     message = rf"^step 'train base_s0' failed \('out of memory'; its output: {log}\); fix it and re-run"
     with pytest.raises(RuntimeError, match=message):
-        study.run(study.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
-    assert [c[1] for c in commands] in (["train.py"], ["train.py"] * 2)  # base_s1's may have started already
-    assert all("base_s" in c[2] for c in commands)  # no fine-tune, large base or evaluation began
+        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
+    assert [c[2] for c in commands] in (
+        ["rope_llama.cli.train"],
+        ["rope_llama.cli.train"] * 2,
+    )  # base_s1's may have started already
+    assert all("base_s" in c[3] for c in commands)  # no fine-tune, large base or evaluation began
 
 
 @pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
 def test_study_rejects_bad_seeds_in_one_sentence(seeds):
     with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):
-        study.check_config(study.StudyConfig(seeds=seeds))
+        config.check_config(config.StudyConfig(seeds=seeds))
 
 
 @pytest.mark.parametrize("jobs", [0, -2, 1.5])
 def test_study_rejects_bad_jobs_in_one_sentence(jobs):
     with pytest.raises(ValueError, match=r"^jobs must be an integer >= 1 \(steps run at once\), got"):
-        study.check_config(study.StudyConfig(jobs=jobs))
+        config.check_config(config.StudyConfig(jobs=jobs))
 
 
 @pytest.mark.slow
@@ -304,7 +314,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     assert "### own: perplexity" in summary and "### kjv: perplexity" in summary
     assert "| base/yarn | 2 | " in summary  # two seeds behind every base cell
     assert "| yarn/ckpt | 2 | " in summary  # and behind each fine-tune (yarn, yarn_s1)
-    assert (study_dir / "runs" / "yarn_s1" / study.TRAINED).is_file()
+    assert (study_dir / "runs" / "yarn_s1" / lanes.TRAINED).is_file()
     assert "Significant orderings (95%)" in summary and "### heldout: greedy accuracy" in summary
     assert summary.index("### heldout: greedy") < summary.index("### passkey: greedy")  # the headline first
     for name in (
@@ -318,7 +328,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
         assert (study_dir / name).is_file()
     with open(study_dir / "paired_ppl.csv") as f:
         paired = list(csv.DictReader(f))
-    n_methods = len(study.ZERO_SHOT.strip("[]").split(","))
+    n_methods = len(lanes.ZERO_SHOT.strip("[]").split(","))
     base = [r for r in paired if r["model"] == "base"]
     assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     # the best zero-shot method, pi, yarn, six PoSE fine-tunes, the large base and the randomized one
@@ -342,7 +352,7 @@ def test_study_tables_average_seeds_and_mark_only_significant_orderings():
                 for method, loss in (("none", base), ("good", base - 0.1), ("same", base + noise)):
                     row = {"model": "base", "method": method, "length": 512, "seed": seed}
                     windows.append({**row, "document": document, "window": window, "loss": loss})
-    table = study.seed_table(windows, "own")
+    table = tables.seed_table(windows, "own")
     per_seed = [
         np.exp(np.mean([w["loss"] for w in windows if w["method"] == "none" and w["seed"] == s]))
         for s in range(3)
@@ -351,7 +361,7 @@ def test_study_tables_average_seeds_and_mark_only_significant_orderings():
         f"| base/none | 3 | {np.mean(per_seed):,.2f} [{min(per_seed):,.2f}, {max(per_seed):,.2f}] |" in table
     )
     assert "| base/good | 3 | **" in table  # the best mean is bold
-    rows, text = study.paired_ppl(windows, "own", "base", max_len=256)
+    rows, text = tables.paired_ppl(windows, "own", "base", max_len=256)
     significant = {(r["a"], r["b"]): r["better"] for r in rows if r["significant"]}
     assert significant == {("none", "good"): "good", ("good", "same"): "good"}
     good_vs_none = next(r for r in rows if {r["a"], r["b"]} == {"none", "good"})
@@ -370,7 +380,7 @@ def test_study_retrieval_tables_pool_seeds_with_wilson_intervals():
                     ranked = int((method, seed, depth, trial) != ("none", 1, 0.0, 4))
                     trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
                                    "depth": depth, "trial": trial, "greedy_correct": correct, "rank_correct": ranked})  # fmt: skip
-    accuracy, paired, text = study.retrieval_tables(trials)
+    accuracy, paired, text = tables.retrieval_tables(trials)
     none = next(r for r in accuracy if r["method"] == "base/none")
     assert none["trials"] == 30 and none["greedy_acc"] == pytest.approx(6 / 30) and none["seeds"] == 2
     assert (none["greedy_low"], none["greedy_high"]) == pytest.approx(wilson_interval(6, 30))
@@ -399,7 +409,7 @@ def test_study_pools_the_heldout_families_as_the_first_table_with_distinct_paire
                     for method, correct in (("yarn", 1), ("none", int(task == "heldout_prose"))):
                         trials.append({"task": task, "model": "base", "seed": seed, "method": method, "length": 512,
                                        "depth": depth, "trial": trial, "greedy_correct": correct, "rank_correct": 1})  # fmt: skip
-    accuracy, paired, text = study.retrieval_tables(trials + pooled_heldout(trials))
+    accuracy, paired, text = tables.retrieval_tables(trials + pooled_heldout(trials))
     pooled = next(r for r in accuracy if r["task"] == "heldout" and r["method"] == "base/none")
     assert pooled["trials"] == 24 and pooled["greedy_acc"] == pytest.approx(0.5)
     greedy = next(r for r in paired if r["task"] == "heldout" and r["metric"] == "greedy")
@@ -421,7 +431,7 @@ def test_study_retrieval_tables_show_a_base_that_never_copies_seed_by_seed():
                "trial": trial, "greedy_correct": int(seed == 2), "rank_correct": 1}
               for seed in (10, 2) for trial in range(4)]  # fmt: skip
     trials.append(trials[0] | {"model": "yarn", "method": "ckpt", "seed": 0})  # a fine-tune: not a base seed
-    _, _, text = study.retrieval_tables(trials)
+    _, _, text = tables.retrieval_tables(trials)
     assert "| base/none | 50% [" in text
     assert "### passkey: greedy accuracy per seed (base models: 2 / 10)" in text
     assert "| base/none | 100% / 0% |" in text
@@ -435,7 +445,7 @@ def test_study_retrieval_tables_class_the_greedy_misses():
                "trial": i, "greedy_correct": int(str(answer).strip(" .") == "10388"), "rank_correct": 1,
                "key": 10388, "answer": answer}
               for method, given in answers.items() for i, answer in enumerate(given)]  # fmt: skip
-    accuracy, _, text = study.retrieval_tables(trials)
+    accuracy, _, text = tables.retrieval_tables(trials)
     yarn = next(r for r in accuracy if r["method"] == "base/yarn")
     assert (yarn["greedy_acc"], yarn["miss_overrun"], yarn["miss_prose_first"]) == (0.5, 0.5, 0.0)
     assert (
@@ -457,7 +467,7 @@ def test_study_retrieval_tables_compare_first_token_margins():
                     trials.append({"task": "passkey", "model": "base", "seed": seed, "method": method, "length": 512,
                                    "depth": depth, "trial": trial, "greedy_correct": 1, "rank_correct": 1,
                                    "first_margin": level + shared + shift})  # fmt: skip
-    accuracy, paired, text = study.retrieval_tables(trials)
+    accuracy, paired, text = tables.retrieval_tables(trials)
     none, yarn = (next(r for r in accuracy if r["method"] == f"base/{m}") for m in ("none", "yarn"))
     margins = {
         s: [t["first_margin"] for t in trials if t["method"] == "none" and t["seed"] == s] for s in (0, 1)

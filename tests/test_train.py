@@ -12,17 +12,25 @@ import torch
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from rope_llama.cli import train as train_module
+from rope_llama.cli.instantiate import build
+from rope_llama.cli.train import (
+    build_callbacks,
+    build_trainer,
+    resume_command,
+    run_positions,
+    run_summary,
+    train,
+)
 from rope_llama.core.checkpoint import CheckpointError, model_state_from_checkpoint, safe_load
-from rope_llama.core.cli import build
-from rope_llama.inference.samples import TextSample
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.rope import RopeConfig
+from rope_llama.training.callbacks import TextSample
 from rope_llama.training.loggers import csv_logger, finish_wandb
 from rope_llama.training.module import LitLlama
 from rope_llama.training.optim import OptimConfig, build_optimizer, lr_multiplier
 from rope_llama.training.throughput import matmul_dtype
 from tests.helpers import CONFIGS, L0, compose_train, last_weights, small_corpus, tiny_overrides, train_cli
-from train import build_callbacks, build_trainer, resume_command, run_positions, run_summary, train
 
 pytestmark = (
     pytest.mark.hardware
@@ -152,7 +160,7 @@ def test_tiny_model_learns_and_writes_checkpoints(tmp_path, corpus):
     assert len(ckpt["tokenizer"]["sha256"]) == 64
 
 
-def test_resume_command_repeats_the_runs_own_overrides():
+def test_resume_command_repeats_the_runs_own_overrides(monkeypatch):
     """The SIGTERM hint resumes the same run: its recipe and settings, its directory, ckpt_path=last."""
     run_dir = Path("runs/2026-11-26_03-00-00")
     task = [
@@ -168,6 +176,8 @@ def test_resume_command_repeats_the_runs_own_overrides():
     assert named == "python train.py run_name=mine seed=3 ckpt_path=last"
     placed = resume_command(["seed=3"], ["hydra.run.dir=/tmp/my run"], Path("/tmp/my run"))
     assert placed == "python train.py seed=3 'hydra.run.dir=/tmp/my run' ckpt_path=last"
+    monkeypatch.setattr(train_module, "checkout", lambda: None)  # an installed copy: its console script
+    assert resume_command(["seed=3"], [], Path("runs/x")) == "rope-train seed=3 run_name=x ckpt_path=last"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from rope_llama.cli import visualize
 from rope_llama.core import memory
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import ExtendConfig, grouped_key_positions, grouped_query_positions
@@ -19,7 +20,6 @@ from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig, rope_frequencies
 from rope_llama.viz.attention_maps import record_attention
 from rope_llama.viz.geometry import decay_bound, relative_scores, relative_scores_closed_form, seen_distances
-from scripts import visualize
 from tests.helpers import CONFIGS, L0, ROOT, ROPES, save_run, text_tokenizer, tiny
 
 # every RoPE whose frequencies do not depend on the total length (dynamic NTK's do), and a partial one

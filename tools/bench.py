@@ -45,7 +45,7 @@ from rope_llama.bench.scoring import bench_scoring
 from rope_llama.bench.threads import bench_threads
 from rope_llama.bench.timing import PRECISIONS, Progress, compute_dtype, matmul_peak
 from rope_llama.bench.training import bench_train, resolve_train_precisions, time_to_quality, train_dtypes
-from rope_llama.core.cli import build
+from rope_llama.cli.instantiate import build
 from rope_llama.core.device import resolve_device
 from rope_llama.core.precision import AUTO
 from rope_llama.kernels.cpuinfo import cpu_model
@@ -56,7 +56,7 @@ DEFAULTS = dict(
     shapes=[
         "small",
         "tiny",
-    ],  # configs/model/<shape>.yaml; the first one is the "default shape" of the targets
+    ],  # rope_llama/configs/model/<shape>.yaml; the first one is the "default shape" of the targets
     vocab=4096,
     batch=16,
     seq_len=256,
@@ -85,7 +85,7 @@ DEFAULTS = dict(
     threads=None,
     shared_cores=True,  # CPU: decode and scoring with 1 thread and one per core, quiet and beside a training job
     score_lengths=[1024, 4096],  # scoring section: window lengths (the threads section scores the shortest)
-    score_chunk=4096,  # tokens per forward of our scoring (configs/eval.yaml's chunk)
+    score_chunk=4096,  # tokens per forward of our scoring (rope_llama/configs/eval.yaml's chunk)
     quick=False,
     out="bench.json",
     seed=0,
@@ -122,12 +122,14 @@ def parse_args(argv: list[str]) -> dict:
 
 
 def check_args(args: dict) -> None:
-    """Fail within seconds, not after minutes of benchmarking: every shape must be a configs/model
+    """Fail within seconds, not after minutes of benchmarking: every shape must be a rope_llama/configs/model
     group and the output file's directory must be writable."""
     shapes = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
     unknown = [s for s in args["shapes"] if s not in shapes]
     if unknown:
-        raise SystemExit(f"error: unknown shapes {unknown}; allowed are configs/model groups {shapes}.")
+        raise SystemExit(
+            f"error: unknown shapes {unknown}; allowed are rope_llama/configs/model groups {shapes}."
+        )
     out = Path(args["out"])
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,7 @@ def machine(device: torch.device) -> dict:
 
 
 def model_config(shape: str, vocab: int, max_len: int) -> ModelConfig:
-    """The configs/model/<shape>.yaml group composed by Hydra and built as train.py builds it."""
+    """The rope_llama/configs/model/<shape>.yaml group composed by Hydra and built as train.py builds it."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={shape}", f"data.max_len={max_len}"])
     lengths = TrainedLengths.of(max_len)

@@ -1,4 +1,4 @@
-"""One training step, two ways: kernels on against off (`kernels: true|false` in configs/train.yaml), the
+"""One training step, two ways: kernels on against off (`kernels: true|false` in rope_llama/configs/train.yaml), the
 transformer blocks compiled against eager (`compile: true|false`), or optim=muon's Newton-Schulz iterations
 in fp32 against bf16 (`optim.muon_dtype`; bf16 is what torch.optim.Muon always uses).
 
@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rope_llama import CONFIGS
-from rope_llama.core.cli import build
+from rope_llama.cli.instantiate import build
 from rope_llama.core.precision import AUTO, resolve_precision
 from rope_llama.kernels import use_kernels
 from rope_llama.model.llama import Llama

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
+from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
+from rope_llama.core.checks import check_number
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.retrieval import NEEDLE, QUESTION, RetrievalPrompt, passkey_prompt
@@ -104,8 +105,7 @@ def measure(cfg: CopyAttentionConfig) -> dict:
     'others' (L, H) attention masses, 'gap' (L, H) logit gaps."""
     for name in ("length", "trials", "heads"):
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_number(name, value, minimum=1, integer=True, allowed="a positive integer")
     loaded, tok = load_model(cfg.ckpt)
     model = loaded.model.eval()
     rng = np.random.default_rng(cfg.seed)

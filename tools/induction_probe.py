@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from rope_llama.core.cli import USER_ERRORS, one_sentence_errors
+from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
+from rope_llama.core.checks import check_number
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.training.optim import OptimConfig, build_optimizer
@@ -76,8 +77,7 @@ def run(cfg: ProbeConfig) -> int | None:
     """Train and report; returns the first step whose copy accuracy passed the threshold (or None)."""
     for name in ("steps", "batch_size", "seq_len", "repeats", "every", "warmup"):
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_number(name, value, minimum=1, integer=True, allowed="a positive integer")
     if not 0 <= cfg.alphabet <= cfg.vocab_size - 2:
         raise ValueError(
             f"alphabet must lie in [0, vocab_size - 2 = {cfg.vocab_size - 2}], got {cfg.alphabet}."

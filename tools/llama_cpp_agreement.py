@@ -20,8 +20,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rope_llama.bench.peers import llama_cpp_model
+from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.core.checkpoint import load_checkpoint
-from rope_llama.core.cli import one_sentence_errors
 from rope_llama.data.sources import load_documents
 from rope_llama.data.tokenizer import Tokenizer
 

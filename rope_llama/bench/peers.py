@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rope_llama.bench.timing import compute_dtype
-from rope_llama.core.cli import error_sentence
+from rope_llama.cli.errors import error_sentence
 from rope_llama.data.tokenizer import train_tokenizer
 from rope_llama.interchange.gguf import gguf_writer, save
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict

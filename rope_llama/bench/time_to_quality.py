@@ -28,7 +28,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rope_llama import ROOT
 from rope_llama.core.precision import AUTO, bf16_is_native, expand_auto
 
 OPTIMS = ("adamw", "muon")
@@ -111,7 +110,8 @@ def run_recipe(recipe: str, args: dict, workdir: Path) -> dict:
     ]
     print(f"[ttq] {recipe}: python train.py {' '.join(overrides)}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
+    train = [sys.executable, "-m", "rope_llama.cli.train"]  # in this directory, as run_dir is
+    proc = subprocess.run([*train, *overrides], capture_output=True, text=True)
     total_s = time.perf_counter() - start
     if proc.returncode != 0:
         return {"recipe": recipe, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from rope_llama.core.cli import error_sentence
+from rope_llama.cli.errors import error_sentence
 from rope_llama.core.device import DTYPES
 from rope_llama.training.throughput import measure_matmul_peak
 

@@ -20,16 +20,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from rope_llama.core.memory import human_bytes
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
-
-if TYPE_CHECKING:
-    from rope_llama.data.tokenizer import Tokenizer
 
 # Raise it when an entry changes meaning, and teach `read_entries` the older versions; a checkpoint
 # without the entry is version 1. Version 2 renamed `train_max_len` to `max_len`; version 3 moved that
@@ -38,6 +35,14 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 OLD_LENGTH_ENTRY = {1: "train_max_len", 2: "max_len"}  # the one length versions 1 and 2 recorded
 STATE_PREFIX = "model."  # LitLlama's attribute holding the network: Lightning prefixes its weights with it
+
+
+class TokenizerFile(Protocol):
+    """What a checkpoint records of its tokenizer: data/tokenizer.py's Tokenizer is one (core/ comes before
+    data/ in the layers, so it names only what it reads)."""
+
+    path: str
+    sha256: str
 
 
 class CheckpointError(ValueError):
@@ -172,7 +177,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text.encode("utf-8"))
 
 
-def format_entries(config: ModelConfig, tokenizer: Tokenizer | None) -> dict:
+def format_entries(config: ModelConfig, tokenizer: TokenizerFile | None) -> dict:
     """The plain entries a checkpoint carries beside the weights: the model config (with the lengths it
     was trained at, which a checkpoint must record) and the tokenizer file (path + sha256; none for a
     module trained without one)."""
@@ -189,7 +194,7 @@ def format_entries(config: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     }
 
 
-def weights_checkpoint(model: Llama, tokenizer: Tokenizer) -> dict:
+def weights_checkpoint(model: Llama, tokenizer: TokenizerFile) -> dict:
     """A checkpoint of weights only (no training state): what generate.py, the scripts and `init_from` read."""
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
     return {"state_dict": state, **format_entries(model.config, tokenizer)}

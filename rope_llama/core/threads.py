@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rope_llama.core.checks import is_integer
+
 AUTO = "auto"
 SAMPLE_SECONDS = 0.2  # long enough to see a busy core, short beside any evaluation
 
 
 def check_threads(value) -> None:
     """`auto` or an integer >= 1, else one sentence."""
-    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if value == AUTO or (is_integer(value) and value >= 1):
         return
     raise ValueError(f"threads must be `auto` or an integer >= 1, got {value!r}.")
 

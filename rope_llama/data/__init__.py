@@ -1,4 +1,6 @@
-"""Text sources, tokenizer, token cache and the LightningDataModule.
+"""Data: text sources (sources.py, markdown.py), the tokenizer (tokenizer.py), the token cache and its shards
+(cache.py, shards.py), training position ids (positions.py), recall windows and their wording (recall.py,
+templates.py), and the LightningDataModule (datamodule.py).
 
 from rope_llama.data import DataError, TextDataModule, Tokenizer
 """

@@ -31,8 +31,9 @@ import tokenizers
 from filelock import FileLock
 from tqdm import tqdm
 
-from rope_llama import ROOT
+from rope_llama import checkout
 from rope_llama.core.checkpoint import atomic_file
+from rope_llama.core.checks import check_number
 from rope_llama.data import DataError
 from rope_llama.data.shards import ShardedTokens, ShardWriter, Store, content_problem, finished_shards
 from rope_llama.data.sources import (
@@ -58,8 +59,15 @@ TOKENIZE_BLOCK_CHARS = 2**25  # text per worker handed out at once: bounds memor
 
 
 def default_cache_root() -> str:
-    """<checkout>/.cache/data (the checkout holds the rope_llama package)."""
-    return str(ROOT / ".cache" / "data")
+    """Where token caches go unless data.cache_dir says: <checkout>/.cache/data when the package runs from a
+    checkout, else the user's cache directory ($XDG_CACHE_HOME, by default ~/.cache) /rope-llama/data."""
+    root = checkout()
+    if root is not None:
+        return str(root / ".cache" / "data")
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(
+        user_cache, "rope-llama", "data"
+    )  # beside the C decode step's (kernels/cpu_decode.py)
 
 
 class TokenCache:
@@ -155,8 +163,7 @@ def prepare(
         )
     for name, value in (("shard_tokens", shard_tokens), ("tokenizer_sample_chars", tokenizer_sample_chars),
                         ("workers", workers)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DataError(f"{name} must be a positive integer, got {value!r}.")
+        check_number(name, value, minimum=1, integer=True, allowed="a positive integer", error=DataError)
     root = cache_root or default_cache_root()
     key = cache_key(source, vocab_size, tokenizer_path, token_dtype, shard_tokens, tokenizer_sample_chars)
     directory = f"{root.rstrip('/')}/{source.get('kind', 'data')}-{key[:16]}"

@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from rope_llama.core.checks import check_number
 from rope_llama.data import DataError
 from rope_llama.data.cache import SHARD_TOKENS, TOKENIZER_SAMPLE_CHARS, TokenCache, prepare
 from rope_llama.data.positions import PositionSampler, PositionsConfig
@@ -193,12 +194,9 @@ class TextDataModule(L.LightningDataModule):
             max_len=max_len, batch_size=batch_size, vocab_size=vocab_size, val_batch_size=val_batch_size
         )
         for name, value in sizes.items():
-            if not isinstance(value, int) or value < 1:
-                raise DataError(f"{name} must be a positive integer, got {value!r}.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise DataError(
-                f"data.num_workers must be an integer >= 0 (0 = load in the main process), got {num_workers!r}."
-            )
+            check_number(name, value, minimum=1, integer=True, allowed="a positive integer", error=DataError)
+        check_number("data.num_workers", num_workers, minimum=0, integer=True,
+                     means="0 = load in the main process", error=DataError)  # fmt: skip
         self.positions = PositionsConfig.from_options(_plain(positions) if positions is not None else None)
         self.positions.check(max_len)  # refused before any run directory or cache is written
         # train.py logs the whole config; the data module's own hparams would overwrite its `seed`

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from rope_llama.core.checks import check_number
 from rope_llama.data import DataError
 from rope_llama.model.rope import MAX_EXACT_POSITIONS
 
@@ -54,24 +55,16 @@ class PositionsConfig:
             raise DataError(f"positions.kind must be one of {', '.join(KINDS)}, got {self.kind!r}.")
         if self.kind == "contiguous":
             return
-        if not _integer_in(self.target_len, max_len, MAX_EXACT_POSITIONS):
-            raise DataError(
-                f"positions.target_len must be an integer >= data.max_len ({max_len}) and <= 2^53 for {self.kind}, "
-                f"got {self.target_len!r}."
-            )
-        if self.kind == "pose" and not _integer_in(self.chunks, 1, max_len):
-            raise DataError(
-                f"positions.chunks must be an integer in [1, data.max_len={max_len}], got {self.chunks!r}."
-            )
+        check_number("positions.target_len", self.target_len, minimum=max_len, maximum=MAX_EXACT_POSITIONS,
+                     integer=True, allowed=f"an integer >= data.max_len ({max_len}) and <= 2^53 for {self.kind}",
+                     error=DataError)  # fmt: skip
+        if self.kind == "pose":
+            check_number("positions.chunks", self.chunks, minimum=1, maximum=max_len, integer=True,
+                         allowed=f"an integer in [1, data.max_len={max_len}]", error=DataError)  # fmt: skip
 
     def context_len(self, max_len: int) -> int:
         """The context length a model trained with these ids is meant for: PoSE's target, else max_len."""
         return self.target_len if self.kind == "pose" else max_len
-
-
-def _integer_in(value, low: int, high: int) -> bool:
-    """An int (not a bool) in [low, high]."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def pose_position_ids(

@@ -59,6 +59,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from rope_llama.core.checks import check_number
 from rope_llama.data import DataError, templates
 from rope_llama.data.tokenizer import Tokenizer
 
@@ -199,8 +200,7 @@ class RecallConfig:
         for name in ("seed", "min_pairs", "max_pairs", "queries", "curriculum_batches"):
             value = getattr(cfg, name)
             lowest = 1 if name in ("min_pairs", "queries") else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-                raise DataError(f"data.recall.{name} must be an integer >= {lowest}, got {value!r}.")
+            check_number(f"data.recall.{name}", value, minimum=lowest, integer=True, error=DataError)
         if not cfg.queries <= cfg.min_pairs <= cfg.max_pairs <= len(ADJECTIVES) * len(NOUNS):
             raise DataError(
                 f"data.recall needs queries <= min_pairs <= max_pairs, got queries={cfg.queries}, "

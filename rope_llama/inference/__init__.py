@@ -1,2 +1,4 @@
-"""Inference: the checkpoint format and loading, generation with the KV cache, scoring and evaluation,
-the memory budget; and what every entry point shares: devices and dtypes by name, one-sentence errors."""
+"""Inference: loading a checkpoint with RoPE and extension overrides (loading.py), generation and scoring
+through the KV cache (generation.py), evaluation over lengths and methods (evaluation.py), the retrieval
+prompts (retrieval.py), statistics (stats.py) and the tables and plots the evaluations share
+(reporting.py). Checkpoints, devices and the memory budget are core/'s."""

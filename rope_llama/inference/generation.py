@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rope_llama.core.checks import check_number
 from rope_llama.core.memory import check_fits, forward_bytes, new_kv_cache
 from rope_llama.kernels.cpu_decode import NativeDecodeUnavailable, NativeStep, check_supported
 from rope_llama.model.kv_cache import KVCache
@@ -36,15 +37,9 @@ class GenerationError(ValueError):
 LARGEST_POSITION = torch.iinfo(torch.int64).max  # position ids are int64 tensors
 
 
-def check_integer(name: str, value, minimum: int) -> None:
-    """One sentence unless `value` is an int >= minimum (a bool is refused: Hydra reads `true` as one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise GenerationError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-
-
 def check_positions(start_pos: int, count: int) -> None:
     """start_pos must be a non-negative integer, and start_pos + count - 1 still an int64 position id."""
-    check_integer("start_pos", start_pos, 0)
+    check_number("start_pos", start_pos, minimum=0, integer=True, error=GenerationError)
     if start_pos + count - 1 > LARGEST_POSITION:
         raise GenerationError(
             f"start_pos={start_pos} with {count:,} tokens reaches position {start_pos + count - 1:,}, past the "
@@ -80,8 +75,9 @@ class SamplingConfig:
                 f"temperature must be a finite number >= 0 (0 = greedy; inf would sample uniform noise), "
                 f"got {self.temperature}."
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise GenerationError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k}.")
+        check_number(
+            "top_k", self.top_k, minimum=0, integer=True, means="0 = no limit", error=GenerationError
+        )
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {self.top_p}.")
 
@@ -167,7 +163,7 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, cache_len: int | None) 
     needed = prompt_len + max_new_tokens
     if cache_len is None:
         return needed
-    check_integer("cache_len", cache_len, 1)
+    check_number("cache_len", cache_len, minimum=1, integer=True, error=GenerationError)
     if needed > cache_len:
         raise GenerationError(
             f"The prompt ({prompt_len} tokens with bos) plus max_new_tokens={max_new_tokens} needs {needed} "
@@ -204,7 +200,7 @@ def check_generation(
     returns the KV cache capacity. Raises GenerationError or MemoryBudgetError (one sentence)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("Every prompt needs at least one token; got an empty prompt.")
-    check_integer("max_new_tokens", max_new_tokens, 1)
+    check_number("max_new_tokens", max_new_tokens, minimum=1, integer=True, error=GenerationError)
     if compile and native:
         raise GenerationError("compile and native are two decode paths; choose one of them.")
     n, batch = max(map(len, prompts)), len(prompts)
@@ -461,7 +457,7 @@ def check_scoring(
     sequences (its cache of rows x n_tokens slots, ids, positions and losses, and a chunk's forward
     over every row with a mask over every key and the float32 log-softmax of its logits), checked
     before anything is allocated; `knob` names the options to lower in the refusal."""
-    check_integer("chunk", chunk, 1)
+    check_number("chunk", chunk, minimum=1, integer=True, error=GenerationError)
     check_positions(start_pos, n_tokens)
     dtype, chunk_len = model.embed.weight.dtype, min(chunk, n_tokens)
     nbytes = (

@@ -1,8 +1,10 @@
-"""Tables and plots the evaluation scripts and the study share: number formatting, greedy-miss shares,
-accuracy-vs-length plots."""
+"""Tables and plots the evaluation scripts and the study share: number formatting, CSV files, greedy-miss
+shares, accuracy-vs-length plots."""
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 
 import matplotlib
@@ -10,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from rope_llama.core.checkpoint import atomic_write_text
 from rope_llama.inference.retrieval import GREEDY_MISSES
 
 
@@ -48,3 +51,12 @@ def plot_vs_length(table: list[dict], task: str, path: Path, metric: str = "gree
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    """rows -> CSV with a header (the first row's keys unless `fields` is given), written atomically."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=fields or list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())

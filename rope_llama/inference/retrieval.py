@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rope_llama.core.checks import check_number
 from rope_llama.data import templates
 from rope_llama.data.tokenizer import Tokenizer
 
@@ -135,9 +136,7 @@ def check_task_options(task: str, **options) -> None:
         raise ValueError(f"{task} takes the options {sorted(allowed)}, not {unknown}.")
     for name, value in options.items():
         low, high = allowed[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
-            span = f"in [{low}, {high}]" if high else f">= {low}"
-            raise ValueError(f"{name} must be an integer {span}, got {value!r}.")
+        check_number(name, value, minimum=low, maximum=high or None, integer=True)
 
 
 def build_prompt(
@@ -233,8 +232,7 @@ def _assemble(
     Needle i goes after round(place * n) of the n filler sentences; needles at the same place keep
     their list order (a chain's assignments stay in order). needles[0] is the one asked about.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length must be a positive integer, got {length!r}.")
+    check_number("length", length, minimum=1, integer=True, allowed="a positive integer")
     intro = tok.encode(INTRO)
     fixed = 1 + len(intro) + sum(len(t) for _, t in needles) + len(question)
     if fixed > length:

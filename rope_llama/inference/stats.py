@@ -21,6 +21,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from rope_llama.core.checks import check_number
 from rope_llama.inference.evaluation import bootstrap_mean
 
 
@@ -30,14 +31,9 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
     Unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or `trials`
     successes (0/10 at 95% -> (0, 0.278)), which matters for accuracies near chance or near 100%.
     """
-    if isinstance(trials, bool) or not isinstance(trials, int | np.integer) or trials < 1:
-        raise ValueError(f"trials must be a positive integer, got {trials!r}.")
-    if (
-        isinstance(successes, bool)
-        or not isinstance(successes, int | np.integer)
-        or not 0 <= successes <= trials
-    ):
-        raise ValueError(f"successes must be an integer in [0, trials={trials}], got {successes!r}.")
+    check_number("trials", trials, minimum=1, integer=True, allowed="a positive integer")
+    check_number("successes", successes, minimum=0, maximum=trials, integer=True,
+                 allowed=f"an integer in [0, trials={trials}]")  # fmt: skip
     _check_confidence(confidence)
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
     p = successes / trials
@@ -100,8 +96,7 @@ def paired_bootstrap(
     ids = cluster_labels(clusters)
     if len(ids) != len(a):
         raise ValueError(f"clusters must label every unit: got {len(ids)} labels for {len(a)} units.")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise ValueError(f"n_boot must be a positive integer, got {n_boot!r}.")
+    check_number("n_boot", n_boot, minimum=1, integer=True, allowed="a positive integer")
     _check_confidence(confidence)
     mean, low, high = bootstrap_mean(a - b, groups=ids, n_boot=n_boot, seed=seed, confidence=confidence)
     return PairedDifference(mean, low, high, low > 0 or high < 0, len(a), int(ids.max()) + 1)

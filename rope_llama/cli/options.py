@@ -1,9 +1,8 @@
-"""What the evaluation scripts share: option checks, the method grid, held-out documents."""
+"""What the entry points share: option checks (missing `???` values, lists, output directories), and the
+evaluation scripts' method grid, thread and dtype report and held-out documents."""
 
 from __future__ import annotations
 
-import csv
-import io
 import sys
 import tempfile
 from dataclasses import replace
@@ -13,12 +12,12 @@ from typing import NamedTuple
 import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rope_llama.core.checkpoint import LoadedCheckpoint, atomic_write_text
-from rope_llama.core.cli import build
+from rope_llama.cli.instantiate import build
+from rope_llama.core.checkpoint import LoadedCheckpoint
+from rope_llama.core.checks import check_lengths, check_number
 from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_positions
-from rope_llama.inference.generation import check_integer
 from rope_llama.model.extend import ExtendConfig, matched_group
 from rope_llama.model.rope import RopeConfig
 
@@ -57,12 +56,6 @@ def check_output_dir(path: str) -> None:
         ) from None
 
 
-def check_lengths(name: str, lengths: list) -> None:
-    """Evaluation lengths: a non-empty list of integers >= 2 (a window needs a token to predict)."""
-    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
-        raise ValueError(f"{name} must be a non-empty list of integers >= 2, got {list(lengths)}.")
-
-
 def check_common(cfg: DictConfig) -> None:
     """Options shared by the scripts, checked before the (slow) checkpoint load."""
     if OmegaConf.is_missing(cfg, "ckpt"):
@@ -91,7 +84,7 @@ def check_common(cfg: DictConfig) -> None:
     check_output_dir(str(cfg.out))
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
-    check_integer("batch_tokens", cfg.batch_tokens, 1)
+    check_number("batch_tokens", cfg.batch_tokens, minimum=1, integer=True)
     check_threads(cfg.threads)
 
 
@@ -210,12 +203,3 @@ def long_documents(cfg: DictConfig, ckpt: LoadedCheckpoint, min_tokens: int) -> 
         f"({', '.join(str(len(d)) for d in long)} tokens)."
     )
     return long
-
-
-def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
-    """rows -> CSV with a header (the first row's keys unless `fields` is given), written atomically."""
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=fields or list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, text.getvalue())

@@ -1,0 +1,243 @@
+"""Perplexity beyond the training length, for every RoPE scaling method, on held-out documents.
+
+    python scripts/eval_extrapolation.py ckpt=runs/base out=results/base \
+        lengths=[256,512,1024,2048,4096] methods=[none,linear,ntk,dynamic_ntk,yarn,llama3]
+    python scripts/eval_extrapolation.py ckpt=runs/pi out=results/pi methods=[ckpt] sliding_stride=128
+
+Writes to `out`: results.csv (method x length x metric, with 95% bootstrap intervals), results.md
+(one table per metric), windows.csv (every window's mean loss per method and length: the units that
+paired comparisons between methods use), curves.csv (bucketed loss vs position), ppl_vs_length.png
+and loss_vs_position.png. Options: configs/eval.yaml; method: docs/extrapolation.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import hydra
+import matplotlib
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from rope_llama import CONFIGS
+from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.options import (
+    begin,
+    check_common,
+    long_documents,
+    method_grid,
+    method_names,
+    print_matched_groups,
+    with_largest_cache,
+)
+from rope_llama.core.checks import check_number
+from rope_llama.inference.evaluation import (
+    bootstrap_mean,
+    bucket_curve,
+    perplexity,
+    rows_per_forward,
+    sliding_window_losses,
+    split_windows,
+    window_losses,
+)
+from rope_llama.inference.generation import check_scoring
+from rope_llama.inference.loading import load_model
+from rope_llama.inference.reporting import fmt, write_csv
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+METRICS = {
+    "ppl": "perplexity over whole windows of T tokens (one pass from position 0)",
+    "tail_ppl": "perplexity over the last L positions of each window (L = training length)",
+    "sliding_ppl": "Press-style sliding-window perplexity (windows of T, scored every `sliding_stride`)",
+}
+CSV_FIELDS = [
+    "method", "length", "factor", "metric", "value", "loss", "ci_low", "ci_high",
+    "n_windows", "n_documents", "bootstrap",
+]  # fmt: skip
+
+
+def metric_row(name: str, per_window: torch.Tensor, owners: torch.Tensor, cfg: DictConfig, **keys) -> dict:
+    """One results.csv row: perplexity of the mean loss over windows and its bootstrap interval."""
+    groups = owners if cfg.bootstrap == "document" else None
+    loss, low, high = bootstrap_mean(per_window, groups, n_boot=cfg.n_boot, seed=cfg.seed)
+    return {
+        **keys,
+        "metric": name,
+        "value": perplexity(loss),
+        "loss": loss,
+        "ci_low": perplexity(low),
+        "ci_high": perplexity(high),
+        "n_windows": len(per_window),
+        "n_documents": len(owners.unique()),
+        "bootstrap": cfg.bootstrap,
+    }
+
+
+def evaluate_grid(
+    cfg: DictConfig, ckpt, methods: list[str], documents: list
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows)."""
+    context_len = ckpt.context_len
+    rows, curves, per_window = [], [], []
+    cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
+    windows = {}
+    for length, method in tqdm(cells, desc="eval", unit="cell"):
+        if length not in windows:
+            windows[length] = split_windows(documents, length, cfg.max_windows)
+        wins, owners = windows[length]
+        cell = method_grid(cfg, ckpt, methods, length)[method]  # from the checkpoint's own config alone
+        ckpt.model.use_positions(cell.rope, cell.extend)
+        factor = cell.factor
+        batch = rows_per_forward(cfg.batch_tokens, length)
+        losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
+        keys = {"method": method, "length": length, "factor": factor}
+        rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
+        rows.append(metric_row("tail_ppl", losses[:, -context_len:].mean(1), owners, cfg, **keys))
+        if cfg.sliding_stride is not None:
+            stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
+            sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
+            rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
+        for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
+            curves.append({**keys, "start": start, "end": end, "loss": loss})
+        windows_seen = Counter()  # a window's index within its document
+        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -context_len:].mean(1)):
+            per_window.append(
+                {
+                    **keys,
+                    "document": doc,
+                    "window": windows_seen[doc],
+                    "loss": float(loss),
+                    "tail_loss": float(tail),
+                }
+            )
+            windows_seen[doc] += 1
+    return rows, curves, per_window
+
+
+def markdown_tables(rows: list[dict], header: str) -> str:
+    """One table per metric: rows methods, columns lengths, the best (lowest) per column in bold."""
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    out = [header]
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        cell = {(r["method"], r["length"]): r["value"] for r in rows if r["metric"] == metric}
+        best = {t: min(cell[m, t] for m in methods) for t in lengths}
+        out += [f"\n### {metric}: {METRICS[metric]}\n", "| method | " + " | ".join(map(str, lengths)) + " |"]
+        out.append("|---" * (len(lengths) + 1) + "|")
+        for m in methods:
+            values = [f"**{fmt(cell[m, t])}**" if cell[m, t] == best[t] else fmt(cell[m, t]) for t in lengths]
+            out.append(f"| {m} | " + " | ".join(values) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_ppl_vs_length(rows: list[dict], context_len: int, path: Path) -> None:
+    """Perplexity (and tail perplexity) vs evaluation length, one line per method, 95% bands."""
+    metrics = [m for m in ("ppl", "tail_ppl") if any(r["metric"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            sel = sorted(
+                (r for r in rows if r["metric"] == metric and r["method"] == method),
+                key=lambda r: r["length"],
+            )
+            x = [r["length"] for r in sel]
+            ax.plot(x, [r["value"] for r in sel], marker="o", label=method)
+            ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel], alpha=0.15)
+        ax.axvline(
+            context_len, color="gray", linestyle="--", linewidth=1
+        )  # the context length the checkpoint claims
+        ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=metric, title=metric)
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> None:
+    """Loss vs position at the longest length, one curve per method."""
+    longest = max(c["length"] for c in curves)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(c["method"] for c in curves):
+        sel = [c for c in curves if c["method"] == method and c["length"] == longest]
+        ax.plot([(c["start"] + c["end"]) / 2 for c in sel], [c["loss"] for c in sel], label=method)
+    ax.axvline(context_len, color="gray", linestyle="--", linewidth=1)
+    ax.set(xlabel="position", ylabel="loss (nats / token)", title=f"loss vs position at T={longest}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def check_options(cfg: DictConfig) -> None:
+    check_common(cfg)
+    check_number("chunk", cfg.chunk, minimum=1, integer=True)
+    if cfg.bootstrap not in ("window", "document"):
+        raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
+    check_number("max_windows", cfg.max_windows, minimum=1, integer=True, allow_none=True, none_means="all")
+    check_number(
+        "sliding_stride", cfg.sliding_stride, minimum=1, integer=True, allow_none=True, none_means="skip"
+    )
+    check_number("n_boot", cfg.n_boot, minimum=1, integer=True)  # bootstrap resamples
+    check_number("curve_buckets", cfg.curve_buckets, minimum=1, integer=True)
+    check_number("seed", cfg.seed, minimum=0, integer=True)
+    if cfg.split not in ("val", "test"):
+        raise ValueError(f"split must be val or test (held-out documents), got {cfg.split!r}.")
+
+
+@torch.inference_mode()
+def run(cfg: DictConfig) -> list[dict]:
+    check_options(cfg)
+    ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
+    methods = method_names(cfg.methods, ckpt)
+    print_matched_groups(cfg, ckpt, methods)
+    with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))
+    for length in cfg.lengths:  # before loading data; a shorter length may score more rows at once
+        batch = rows_per_forward(cfg.batch_tokens, length)
+        knob = "lengths, chunk or batch_tokens" if batch > 1 else "lengths or chunk"
+        check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
+    begin(cfg, ckpt)
+    documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
+    rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    context_len = ckpt.context_len
+    n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}
+    note = (
+        f"# Extrapolation: {ckpt.path}\n\nContext length L = {context_len}; {len(documents)} {cfg.split} documents, "
+        f"up to {cfg.max_windows} non-overlapping windows each (windows per length: {n_windows}). "
+        f"Weights and activations in {str(ckpt.model.embed.weight.dtype).removeprefix('torch.')}. "
+        f"Factors: {cfg.factor}. 95% intervals (results.csv) bootstrap over {cfg.bootstrap}s, seed {cfg.seed}"
+        + (
+            " (windows of one document are correlated: the intervals are optimistic)."
+            if cfg.bootstrap == "window"
+            else "."
+        )
+    )
+    print(note.split("\n\n", 1)[1])
+    write_csv(out / "results.csv", rows, CSV_FIELDS)
+    write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
+    write_csv(out / "windows.csv", per_window)
+    (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
+    plot_ppl_vs_length(rows, context_len, out / "ppl_vs_length.png")
+    plot_loss_vs_position(curves, context_len, out / "loss_vs_position.png")
+    print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
+    print(
+        f"Wrote {out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"
+    )
+    return rows
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="eval")
+@one_sentence_errors
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
