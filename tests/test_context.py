@@ -204,3 +204,11 @@ def test_every_retrieval_cell_equals_the_same_cell_run_alone(yarn_run, tmp_path)
                 assert grid[key] == row, (key, grid[key], row)
     margins = {m: [float(r["first_margin"]) for k, r in grid.items() if k[0] == m] for m in methods}
     assert margins["ckpt"] != margins["none"]  # the methods answer differently: the check can fail
+
+
+def test_lengths_relative_to_the_checkpoints_context(yarn_run, tmp_path):
+    """lengths=[1x,2x] evaluates at the checkpoint's context length and twice it."""
+    eval_extrapolation.run(eval_cfg(yarn_run, tmp_path, "lengths=[1x,2x]", "methods=[none]"))
+    assert {length for _, length, _ in rows_by(tmp_path / "results.csv")} == {L0, 2 * L0}
+    with pytest.raises(ValueError, match="or multiples of the context length such as 2x, got"):
+        eval_extrapolation.run(eval_cfg(yarn_run, tmp_path / "bad", "lengths=[2y]"))

@@ -531,7 +531,10 @@ def test_cli_errors_are_one_sentence(script, args, message, tmp_path):
     [
         ("methods=[none,pi]", "Unknown method 'pi'; a method is a RoPE method (none, linear, "),
         ("methods=yarn", "methods must be a list, e.g. methods=[none,yarn], got 'yarn'."),
-        ("lengths=[64,1]", "lengths must be a non-empty list of integers >= 2, got [64, 1]."),
+        (
+            "lengths=[64,1]",
+            "lengths must be a non-empty list of integers >= 2 or multiples of the context length such as 2x, got [64, 1].",
+        ),
         ("lengths=64", "lengths must be a list, e.g. lengths=[256,1024], got 64."),
         ("batch_tokens=0", "batch_tokens must be an integer >= 1, got 0."),
         ("batch_tokens=many", "batch_tokens must be an integer >= 1, got 'many'."),

@@ -26,7 +26,7 @@ import rope_llama
 from tests.helpers import ROOT, small_corpus
 
 SCRIPTS = ("rope-train", "rope-generate", "rope-eval", "rope-passkey", "rope-study", "rope-prepare-data",
-           "rope-export-hf", "rope-export-gguf", "rope-import-hf")  # fmt: skip
+           "rope-export-hf", "rope-export-gguf", "rope-import-hf", "rope-import-gguf", "rope-visualize")  # fmt: skip
 # What building must not copy: version control, environments, outputs and caches of the checkout.
 NOT_SOURCES = (".git", ".venv", "runs", "outputs", "multirun", ".cache", "build", "dist", "*.egg-info",
                "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis")  # fmt: skip

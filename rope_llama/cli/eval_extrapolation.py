@@ -30,6 +30,7 @@ from rope_llama.cli.options import (
     method_grid,
     method_names,
     print_matched_groups,
+    with_context_lengths,
     with_largest_cache,
 )
 from rope_llama.core.checks import check_number
@@ -193,6 +194,7 @@ def check_options(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> list[dict]:
     check_options(cfg)
     ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
+    cfg = with_context_lengths(cfg, ckpt)  # "2x" = twice the checkpoint's context length
     methods = method_names(cfg.methods, ckpt)
     print_matched_groups(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))

@@ -25,6 +25,7 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.checks import check_number
 from rope_llama.core.threads import apply_threads, check_threads
+from rope_llama.data import DataError
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import (
     GenerationError,
@@ -88,6 +89,18 @@ def read_prompts(cfg: DictConfig) -> list[str]:
     return lines
 
 
+def chat_prompt(tok: Tokenizer, text: str, system: str | None) -> list[int]:
+    """`text` as the user's turn of the tokenizer's chat template (its own special tokens, no bos added),
+    ending where the assistant's reply begins."""
+    messages = ([{"role": "system", "content": unescape(system)}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    try:
+        return tok.encode(tok.apply_chat_template(messages))
+    except DataError as e:
+        raise GenerationError(f"chat=true: {e}") from None
+
+
 def stop_strings(stop) -> list[str]:
     """stop=null, one string or a list of strings (stop="END" is one string, not 3 letters), unescaped."""
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -100,11 +113,11 @@ def run_sample(
     cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, sampling: SamplingConfig, prompt_texts: list[str]
 ) -> None:
     texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
-    prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]  # documents start with bos in training
+    prompts = [chat_prompt(tok, t, cfg.system) if cfg.chat else tok.prompt_ids(t) for t in texts]
     streams = [TextStream(tok.decode, stop_strings(cfg.stop)) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
     # The prompt is echoed with the first new text: a refusal (options, memory, positions) prints only itself.
-    unechoed = [texts[0]] if live else []
+    unechoed = [texts[0] + "\n" * bool(cfg.chat)] if live else []  # a chat reply starts on its own line
 
     def on_token(row: int, token: int) -> bool:
         text = streams[row].push(token)
@@ -120,7 +133,7 @@ def run_sample(
         sampling,
         start_pos=cfg.start_pos,
         cache_len=cfg.cache_len,
-        eos_id=tok.eos_id,
+        eos_id=tok.stop_ids,  # an instruct model's end of turn too
         seed=cfg.seed,
         on_token=on_token,
         compile=cfg.compile,
@@ -142,7 +155,7 @@ def run_sample(
 
 
 def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str) -> None:
-    tokens = torch.tensor([tok.bos_id, *tok.encode(text)])
+    tokens = torch.tensor(tok.prompt_ids(text))
     losses = score_tokens(ckpt.model, tokens, cfg.chunk, cfg.start_pos)
     context_len = ckpt.context_len
     print(f"{'positions':>16} {'tokens':>8} {'loss':>8} {'ppl':>10}   (context length {context_len})")
@@ -163,6 +176,8 @@ def main(cfg: DictConfig) -> None:
         sampling = SamplingConfig(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.greedy))
         check_number("num_samples", cfg.num_samples, minimum=1, integer=True, error=GenerationError)
         stop_strings(cfg.stop)
+        if not isinstance(cfg.chat, bool):
+            raise GenerationError(f"chat must be true or false, got {cfg.chat!r}.")
         texts = read_prompts(cfg)
         run_sample(cfg, *load(cfg), sampling, texts)
     elif cfg.mode == "score":

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama.cli.instantiate import build
 from rope_llama.core.checkpoint import LoadedCheckpoint
-from rope_llama.core.checks import check_lengths, check_number
+from rope_llama.core.checks import check_lengths, check_number, resolve_lengths
 from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_positions
@@ -62,7 +62,7 @@ def check_common(cfg: DictConfig) -> None:
         raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
     if OmegaConf.is_missing(cfg, "out"):
         raise ValueError("No output directory given; pass out=<directory for the results>.")
-    check_lengths("lengths", option_list(cfg, "lengths", "[256,1024]"))
+    check_lengths("lengths", option_list(cfg, "lengths", "[256,1024]"), relative=True)
     methods = option_list(cfg, "methods", "[none,yarn]")
     if not methods:
         raise ValueError(
@@ -96,6 +96,16 @@ def begin(cfg: DictConfig, ckpt: LoadedCheckpoint) -> None:
     reason = inference_dtype(str(cfg.dtype), weight.device)[1]
     dtype = str(weight.dtype).removeprefix("torch.")
     print(f"threads: {choice.threads} ({choice.reason}); dtype: {dtype} ({reason})", file=sys.stderr)
+
+
+def with_context_lengths(cfg: DictConfig, ckpt: LoadedCheckpoint) -> DictConfig:
+    """A copy of `cfg` whose relative `lengths` ("2x") are tokens of the checkpoint's context length."""
+    lengths = resolve_lengths(list(cfg.lengths), ckpt.context_len)
+    if any(t < 2 for t in lengths):
+        raise ValueError(
+            f"lengths {list(cfg.lengths)} of context {ckpt.context_len} give {lengths}; each needs >= 2 tokens."
+        )
+    return OmegaConf.merge(cfg, {"lengths": lengths})
 
 
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:

@@ -35,6 +35,7 @@ from rope_llama.cli.options import (
     method_names,
     option_list,
     print_matched_groups,
+    with_context_lengths,
     with_largest_cache,
 )
 from rope_llama.core.checks import check_number
@@ -230,6 +231,7 @@ def run(cfg: DictConfig) -> list[dict]:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
+    cfg = with_context_lengths(cfg, ckpt)  # "2x" = twice the checkpoint's context length
     methods = method_names(cfg.methods, ckpt)
     print_matched_groups(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))

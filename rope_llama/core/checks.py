@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 
 def describe(minimum=None, maximum=None, above=None, below=None, integer=False) -> str:
@@ -67,7 +68,24 @@ def check_number(
         raise error(f"{name} must be {words}, got {value!r}.")
 
 
-def check_lengths(name: str, lengths: list) -> None:
-    """Evaluation lengths: a non-empty list of integers >= 2 (a window needs a token to predict)."""
-    if not lengths or not all(is_integer(t) and t >= 2 for t in lengths):
-        raise ValueError(f"{name} must be a non-empty list of integers >= 2, got {list(lengths)}.")
+RELATIVE_LENGTH = re.compile(r"^(\d+(?:\.\d+)?)x$")  # "2x": twice the checkpoint's context length
+
+
+def relative_length(value) -> float | None:
+    """The multiple of a relative length ("4x" -> 4.0, "0.5x" -> 0.5), None for anything else."""
+    match = RELATIVE_LENGTH.match(value) if isinstance(value, str) else None
+    return float(match.group(1)) if match and float(match.group(1)) > 0 else None
+
+
+def check_lengths(name: str, lengths: list, relative: bool = False) -> None:
+    """Evaluation lengths: a non-empty list of integers >= 2 (a window needs a token to predict), or with
+    `relative` also multiples of the checkpoint's context length ("1x", "4x", "0.5x")."""
+    if lengths and all((is_integer(t) and t >= 2) or (relative and relative_length(t)) for t in lengths):
+        return
+    allowed = "integers >= 2 or multiples of the context length such as 2x" if relative else "integers >= 2"
+    raise ValueError(f"{name} must be a non-empty list of {allowed}, got {list(lengths)}.")
+
+
+def resolve_lengths(lengths: list, context_len: int) -> list[int]:
+    """Relative lengths ("2x") as tokens of `context_len`; integers as they are."""
+    return [round(relative_length(t) * context_len) if relative_length(t) else int(t) for t in lengths]

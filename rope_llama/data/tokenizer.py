@@ -6,9 +6,13 @@
     tok.decode(ids) == "To be, or not to be"    # exact round trip: byte-level, no normalizer
 
 Special tokens: BOS = "<|bos|>" starts every document, EOS = "<|eos|>" ends it (ids 0, 1 when trained here).
+An imported tokenizer (scripts/import_gguf.py) may have a `tokenizer_config.json` beside it, in transformers'
+format: its `add_bos_token` says whether prompts start with bos, its `eos_token` is the end of an instruct
+model's turn (generation stops there too) and its `chat_template` wraps a prompt (`apply_chat_template`).
 """
 
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -38,6 +42,38 @@ class Tokenizer:
             raise DataError(f"{self.path} is not a readable tokenizer.json ({e}).") from None
         self.bos_id = self._find(_BOS_NAMES, "BOS")
         self.eos_id = self._find(_EOS_NAMES, "EOS")
+        config = read_tokenizer_config(self.path)
+        self.add_bos = bool(config.get("add_bos_token", True))  # prompts start with bos, as documents do
+        self.chat_template: str | None = config.get("chat_template")
+        turn = config.get("eos_token")
+        turn = turn.get("content") if isinstance(turn, dict) else turn
+        self.end_of_turn_id = None if turn is None else self.hf.token_to_id(turn)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """The ids generation stops at: eos, and an instruct model's end of turn."""
+        return {self.eos_id} | ({self.end_of_turn_id} if self.end_of_turn_id is not None else set())
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's ids: bos first unless the tokenizer's config says its model takes none."""
+        return [self.bos_id, *self.encode(text)] if self.add_bos else self.encode(text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """`messages` ([{"role", "content"}]) as the chat template renders them (jinja2, sandboxed, as
+        transformers renders it); one sentence when the tokenizer has no template."""
+        if not self.chat_template:
+            raise DataError(
+                f"The tokenizer {self.path} has no chat template (tokenizer_config.json beside it)."
+            )
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise DataError(f"The chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
     @classmethod
     def from_file(cls, path: str) -> "Tokenizer":
@@ -67,6 +103,22 @@ class Tokenizer:
             if (i := self.hf.token_to_id(name)) is not None:
                 return i
         raise DataError(f"tokenizer {self.path!r} has no {role} token; it needs one of {list(names)}.")
+
+
+def read_tokenizer_config(path: str) -> dict:
+    """The `tokenizer_config.json` beside a tokenizer.json ({} when there is none); a damaged one is one
+    sentence."""
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return {}
+    try:
+        with open(config, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{config} is not a readable tokenizer config ({e}).") from None
+    if not isinstance(values, dict):
+        raise DataError(f"{config} holds a {type(values).__name__}, not a JSON object.")
+    return values
 
 
 def train_tokenizer(docs: Iterable[str], vocab_size: int, path: str) -> Tokenizer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -227,7 +227,7 @@ def generate(
     *,
     start_pos: int = 0,
     cache_len: int | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     seed: int = 0,
     on_token: Callable[[int, int], bool] | None = None,
     compile: bool = False,
@@ -238,7 +238,8 @@ def generate(
     prompts: token id lists (bos included by the caller), different lengths allowed (left padded).
     start_pos: absolute RoPE position of each prompt's first token.
     cache_len: KV cache slots (default prompt + max_new_tokens; it must hold at least that).
-    eos_id: a row stops when it samples this id (not included in its tokens).
+    eos_id: a row stops when it samples this id, or one of these ids (an instruct model's end of turn too;
+        not included in its tokens).
     seed: seeds the torch.Generator used for sampling (same seed, same output).
     on_token(row, token): called on the host for each new token of an unfinished row; return True
         to stop that row (e.g. a stop string was completed). The row keeps the token.
@@ -267,6 +268,7 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
+    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
 
     if native:
         try:
@@ -284,7 +286,7 @@ def generate(
         for row, token in enumerate(next_token.tolist()):  # the one host sync per step
             if not active[row]:
                 continue
-            if token == eos_id:
+            if token in stops:
                 active[row] = False
                 continue
             tokens[row].append(token)
