@@ -212,3 +212,20 @@ def test_lengths_relative_to_the_checkpoints_context(yarn_run, tmp_path):
     assert {length for _, length, _ in rows_by(tmp_path / "results.csv")} == {L0, 2 * L0}
     with pytest.raises(ValueError, match="or multiples of the context length such as 2x, got"):
         eval_extrapolation.run(eval_cfg(yarn_run, tmp_path / "bad", "lengths=[2y]"))
+
+
+def test_init_from_takes_the_checkpoints_shape(tmp_path):
+    """A fine-tune names no model= of its own: the weights define the shape (a real model's too); a field
+    the command line names stays, and must fit."""
+    corpus = small_corpus(tmp_path / "corpus", n_files=6, chars=4000)
+    steps = ["trainer.max_steps=2", "logger=none", "trainer.val_check_interval=2"]
+    narrow = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.norm_eps=1e-6"]
+    train(compose_train(tiny_overrides(tmp_path, corpus) + steps + narrow, tmp_path / "base"))
+    base = tmp_path / "base" / "checkpoints" / "last.ckpt"
+    fine = [*tiny_overrides(tmp_path, corpus), *steps, f"init_from={base}", f"data.max_len={2 * L0}"]
+    train(compose_train(fine, tmp_path / "fine"))
+    config = load_checkpoint(tmp_path / "fine").config
+    assert (config.d_model, config.n_heads, config.n_kv_heads, config.norm_eps) == (32, 2, 1, 1e-6)
+    assert config.lengths == TrainedLengths(2 * L0, 2 * L0)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        train(compose_train([*fine, "model.d_model=64"], tmp_path / "named"))

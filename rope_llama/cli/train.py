@@ -36,7 +36,7 @@ from rope_llama.core.checkpoint import (
 )
 from rope_llama.core.precision import resolve_precision
 from rope_llama.data.positions import PositionsConfig
-from rope_llama.model.config import TrainedLengths
+from rope_llama.model.config import ModelConfig, TrainedLengths
 from rope_llama.model.context import resolve_positions
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.rope import RopeConfig
@@ -123,6 +123,23 @@ def run_positions(cfg: DictConfig, init_ckpt: dict | None) -> tuple[TrainedLengt
     return lengths, rope, extend
 
 
+# The ModelConfig fields that shape the weights (or what they compute): an init_from run takes the checkpoint's.
+WEIGHT_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm_eps", "tie_embeddings",
+                 "mix_previous_tokens")  # fmt: skip
+
+
+def model_fields_named(task_overrides: list[str]) -> set[str]:
+    """The model fields the command line sets itself (model.d_model=..., +model.x=...)."""
+    keys = (o.lstrip("+~").split("=", 1)[0] for o in task_overrides)
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def shape_of(init: ModelConfig, run: ModelConfig, named: set[str]) -> ModelConfig:
+    """The run's model config with the init_from checkpoint's weight-defining fields, except those the
+    command line names: those stay, and must fit the weights (load_weights says which do not)."""
+    return replace(run, **{f: getattr(init, f) for f in WEIGHT_FIELDS if f not in named})
+
+
 def describe_positions(lengths: TrainedLengths, rope: RopeConfig, extend: ExtendConfig) -> str:
     """One line: the lengths the checkpoint will record and what the RoPE is relative to."""
     scaled = "" if rope.scaling == "none" else f" x{rope.factor:g} relative to {rope.original_max_len}"
@@ -189,6 +206,9 @@ def setup_run(cfg: DictConfig):
     init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
     lengths, rope, extend = run_positions(cfg, init_ckpt)  # RoPE errors before any data work too
+    if init_ckpt is not None:  # the weights define the shape: a real model needs no model= of its own
+        named = model_fields_named(HydraConfig.get().overrides.task)
+        model_config = shape_of(read_entries(init_ckpt, Path(cfg.init_from))[0], model_config, named)
 
     datamodule = build(cfg.data)
     if (processes := data_parallel_processes(cfg.trainer)) is not None:  # else checked when fit starts
