@@ -327,7 +327,7 @@ def attention_view(cfg: DictConfig, staging: Path) -> None:
     write_csv(staging / "attention_entropy.csv", entropy)
     write_csv(staging / "attention_heatmap.csv", heat_rows)
     plots.plot_curves(mass, "distance", "mass", "relative distance", "attention mass (mean over queries)",
-                      staging / "attention_distance.png", log_x=True)  # fmt: skip
+                      staging / "attention_distance.png", log_x=True, log_y=True)  # fmt: skip
     plots.plot_curves(entropy, "position", "entropy", "query position", "entropy (nats)",
                       staging / "attention_entropy.png", log_x=False)  # fmt: skip
     if needle_rows:

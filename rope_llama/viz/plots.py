@@ -124,7 +124,9 @@ def plot_heatmaps(
     plt.close(fig)
 
 
-def plot_curves(rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, path: Path, log_x: bool) -> None:
+def plot_curves(
+    rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, path: Path, log_x: bool, log_y: bool = False
+) -> None:
     """Panels: lengths x methods; in each, every head thin and each layer's head average bold."""
     lengths = sorted({r["length"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -136,8 +138,8 @@ def plot_curves(rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, path
             ax = axes[i][j]
             sel = [r for r in rows if r["length"] == length and r["method"] == method]
             layers = sorted({r["layer"] for r in sel})
-            for layer in layers:
-                colour = cmap(layer / max(1, len(layers) - 1))
+            for rank, layer in enumerate(layers):
+                colour = cmap(rank / max(1, len(layers) - 1))  # by rank: recorded layers need not be 0..n-1
                 curves = defaultdict(list)
                 for r in sel:
                     if r["layer"] == layer:
@@ -151,6 +153,8 @@ def plot_curves(rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, path
             ax.set(title=f"{method}, T={length}", xlabel=xlabel)
             if log_x:
                 ax.set_xscale("symlog", linthresh=1)
+            if log_y:
+                ax.set_yscale("log")
             if j == 0:
                 ax.set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7)
