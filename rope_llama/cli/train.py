@@ -112,13 +112,14 @@ def group_values(node: DictConfig) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
-def run_positions(cfg: DictConfig, init_ckpt: dict | None) -> tuple[TrainedLengths, RopeConfig, ExtendConfig]:
+def run_positions(
+    cfg: DictConfig, base: ModelConfig | None
+) -> tuple[TrainedLengths, RopeConfig, ExtendConfig]:
     """This run's trained lengths and the RoPE and extension it trains with (model/context.py): relative to
-    its own windows from scratch, continuing the `init_from` checkpoint's positions otherwise."""
+    its own windows from scratch, continuing the positions of `base` (the init_from checkpoint's config)."""
     positions = PositionsConfig.from_options(OmegaConf.to_container(cfg.data.positions, resolve=True))
     positions.check(cfg.data.max_len)
     lengths = TrainedLengths(cfg.data.max_len, positions.context_len(cfg.data.max_len))
-    base = read_entries(init_ckpt, Path(cfg.init_from))[0] if init_ckpt is not None else None
     rope, extend = resolve_positions(base, group_values(cfg.rope), group_values(cfg.extend), training=lengths)
     return lengths, rope, extend
 
@@ -205,10 +206,10 @@ def setup_run(cfg: DictConfig):
     resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
     init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
-    lengths, rope, extend = run_positions(cfg, init_ckpt)  # RoPE errors before any data work too
-    if init_ckpt is not None:  # the weights define the shape: a real model needs no model= of its own
-        named = model_fields_named(HydraConfig.get().overrides.task)
-        model_config = shape_of(read_entries(init_ckpt, Path(cfg.init_from))[0], model_config, named)
+    base = read_entries(init_ckpt, Path(cfg.init_from))[0] if init_ckpt is not None else None
+    lengths, rope, extend = run_positions(cfg, base)  # RoPE errors before any data work too
+    if base is not None:  # the weights define the shape: a real model needs no model= of its own
+        model_config = shape_of(base, model_config, model_fields_named(HydraConfig.get().overrides.task))
 
     datamodule = build(cfg.data)
     if (processes := data_parallel_processes(cfg.trainer)) is not None:  # else checked when fit starts
