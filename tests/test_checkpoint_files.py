@@ -5,6 +5,7 @@ run's own tokenizer copy stands in for an unreadable recorded one. Kills and sig
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -159,6 +160,24 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
         "checkpoint but [64, 48] in the model (and "
     )
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_weights_are_one_sentence(tmp_path, bad):
+    from rope_llama.model.config import ModelConfig
+    from rope_llama.model.llama import Llama
+
+    model = Llama(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, lengths=8))
+    path = tmp_path / "diverged.ckpt"
+    atomic_torch_save(weights_checkpoint(model, None), path)
+    load_checkpoint(path)  # finite: loads
+    with torch.no_grad():
+        model.blocks[0].mlp.down_proj.weight[0, 0] = bad
+    atomic_torch_save(weights_checkpoint(model, None), path)
+    with pytest.raises(
+        CheckpointError, match=r"holds non-finite weights \(nan or inf\) in 'blocks.0.mlp.down_proj.weight'"
+    ):
+        load_checkpoint(path)
 
 
 def test_truncated_and_foreign_files_give_one_sentence(tmp_path):

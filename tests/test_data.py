@@ -12,7 +12,7 @@ import pytest
 
 import rope_llama.data.cache as cache_mod
 from rope_llama.data import DataError
-from rope_llama.data.cache import invalid_reason, prepare
+from rope_llama.data.cache import _meta_digest, invalid_reason, prepare
 from rope_llama.data.markdown import play_to_text
 from rope_llama.data.shards import Store
 from rope_llama.data.sources import carve_holdout, load_documents, shakespeare_plays
@@ -164,7 +164,8 @@ def test_cache_layout_and_reuse_without_tokenizing(tmp_path, monkeypatch):
     "damage, reason",
     [
         ("truncate_bin", "train-00000.bin is missing or is not"),
-        ("edit_meta", "val-00000.bin is missing or is not"),
+        ("edit_meta", "meta.json does not match its hash"),
+        ("edit_meta_chars", "meta.json does not match its hash"),
     ],
 )
 def test_cache_size_damage_is_detected_at_open_and_rebuilt(tmp_path, capsys, damage, reason):
@@ -175,10 +176,13 @@ def test_cache_size_damage_is_detected_at_open_and_rebuilt(tmp_path, capsys, dam
     if damage == "truncate_bin":
         with open(train_bin, "r+b") as f:
             f.truncate(os.path.getsize(f.name) - 2)
-    else:
+    else:  # a shard's token count, or a split's characters (which val/bpc divides by)
         meta_path = os.path.join(good.dir, "meta.json")
         meta = json.load(open(meta_path))
-        meta["splits"]["val"]["shards"][0]["tokens"] += 1
+        if damage == "edit_meta":
+            meta["splits"]["val"]["shards"][0]["tokens"] += 1
+        else:
+            meta["splits"]["val"]["chars"] *= 2
         json.dump(meta, open(meta_path, "w"))
     capsys.readouterr()
     rebuilt = prepare(source, VOCAB, cache_root=root)
@@ -218,7 +222,8 @@ def test_token_id_outside_the_vocabulary_is_refused_even_with_a_matching_hash(tm
     )
     meta = json.load(open(meta_path))
     meta["splits"]["train"]["shards"][0]["xxh3_64"] = Store(good.dir).scan("train-00000.bin", good.dtype)[0]
-    json.dump(meta, open(meta_path, "w"))  # forged: the hash matches, the id does not fit
+    meta["sha256"] = _meta_digest(meta)
+    json.dump(meta, open(meta_path, "w"))  # forged: the hashes match, the id does not fit
     with pytest.raises(DataError, match="does not match its hash"):
         prepare(source, VOCAB, cache_root=root).tokens("train").read(0, 1)
     capsys.readouterr()

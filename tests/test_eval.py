@@ -512,7 +512,11 @@ def test_suite_refuses_unknown_tasks_and_options_before_loading(tmp_path):
     [
         ("eval_extrapolation.py", ["out={OUT}"], "No checkpoint given"),
         ("eval_extrapolation.py", ["ckpt=/nonexistent", "out={OUT}"], "does not exist"),
-        ("passkey.py", ["ckpt=/nonexistent", "out={OUT}", "depths=[1.5]"], "depths must lie in [0, 1]"),
+        (
+            "passkey.py",
+            ["ckpt=/nonexistent", "out={OUT}", "depths=[1.5]"],
+            "depths must be a non-empty duplicate-free list, each a finite number in [0, 1], got [1.5]",
+        ),
     ],
 )
 def test_cli_errors_are_one_sentence(script, args, message, tmp_path):

@@ -209,6 +209,23 @@ def test_resume_gives_identical_weights(tmp_path, corpus, optim, positions, caps
     assert not torch.equal(last_weights(fresh)["embed.weight"], a["embed.weight"])  # the check can fail
 
 
+def test_a_resume_with_other_settings_is_refused(tmp_path, corpus):
+    """Another optimizer cannot load the run's optimizer state (a KeyError deep in Lightning); another RoPE
+    would continue the weights under other positions without a word."""
+    _, run = run_train(tmp_path, corpus, "trainer.max_steps=4", "trainer.val_check_interval=4", name="first")
+    last = run / "checkpoints" / "last.ckpt"
+    for changed, said in [
+        (["optim=muon"], "optim.name='adamw' -> 'muon'"),
+        (["rope=yarn", "rope.factor=4"], "rope.scaling='none' -> 'yarn'"),
+    ]:
+        with pytest.raises(CheckpointError, match="resumes a run trained with other settings") as refused:
+            run_train(tmp_path, corpus, "trainer.max_steps=8", f"ckpt_path={last}", *changed, name="again")
+        assert said in str(refused.value) and "init_from=" in str(refused.value)
+    _, resumed = run_train(tmp_path, corpus, "trainer.max_steps=8", "trainer.val_check_interval=4",
+                           f"ckpt_path={last}", name="same")  # fmt: skip
+    assert safe_load(resumed / "checkpoints" / "last.ckpt")["global_step"] == 8  # the same settings resume
+
+
 def test_schedule_steps_stops_a_run_where_the_longer_schedule_was(tmp_path, corpus):
     """trainer.max_steps=10 on a 20-step schedule ends with the 20-step run's step-10 weights; on its
     own 10-step schedule (the learning rate decayed sooner) it does not."""

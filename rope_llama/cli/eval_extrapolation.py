@@ -33,6 +33,7 @@ from rope_llama.cli.options import (
     with_context_lengths,
     with_largest_cache,
 )
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checks import check_number
 from rope_llama.inference.evaluation import (
     bootstrap_mean,
@@ -238,6 +239,7 @@ def run(cfg: DictConfig) -> list[dict]:
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="eval")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("eval", cfg)  # every option before anything is loaded or written
     run(cfg)
 
 

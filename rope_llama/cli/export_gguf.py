@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.destination import check_export_destination
@@ -71,6 +72,7 @@ def export(
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="export_gguf")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("export_gguf", cfg)
     require(cfg, ("ckpt", "out"), "ckpt=<.ckpt file or run directory> out=<file.gguf>")
     path = export(cfg.ckpt, cfg.out, dtype=str(cfg.dtype), overwrite=bool(cfg.overwrite))
     print(f"Exported {cfg.ckpt} to {path} ({cfg.dtype})")

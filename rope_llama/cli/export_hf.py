@@ -24,6 +24,7 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.destination import check_export_destination, move_into_place
@@ -102,6 +103,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="export_hf")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("export_hf", cfg)
     require(cfg, ("ckpt", "out"), "ckpt=<.ckpt file or run directory> out=<directory>")
     path = export(cfg.ckpt, cfg.out, overwrite=bool(cfg.overwrite))
     print(f"Exported {cfg.ckpt} to {path}")

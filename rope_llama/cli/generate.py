@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import LoadedCheckpoint
 from rope_llama.core.checks import check_number
 from rope_llama.core.threads import apply_threads, check_threads
@@ -169,6 +170,7 @@ def run_score(cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, text: str
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
     # options are checked before the (slow) checkpoint load
+    check_command("generate", cfg, GenerationError)
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise GenerationError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
     check_threads(cfg.threads)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import atomic_torch_save, atomic_write_text, load_weights, weights_checkpoint
 from rope_llama.data import DataError
 from rope_llama.data.tokenizer import Tokenizer
@@ -90,6 +91,7 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="import_gguf")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("import_gguf", cfg)
     require(cfg, ("gguf", "out"), "gguf=<file.gguf> out=<directory to write>")
     start = time.perf_counter()
     path = import_gguf(cfg.gguf, cfg.out, overwrite=cfg.overwrite)

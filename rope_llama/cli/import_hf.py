@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.hf import from_hf_state_dict, model_config_from_hf
@@ -120,6 +121,7 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="import_hf")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("import_hf", cfg)
     require(cfg, ("hf_dir", "out"), "hf_dir=<LlamaForCausalLM directory> out=<.ckpt path>")
     path = import_hf(cfg.hf_dir, cfg.out, overwrite=bool(cfg.overwrite))
     print(f"Imported {cfg.hf_dir} to {path}")

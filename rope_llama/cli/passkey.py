@@ -38,6 +38,7 @@ from rope_llama.cli.options import (
     with_context_lengths,
     with_largest_cache,
 )
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checks import check_number
 from rope_llama.core.memory import check_fits
 from rope_llama.data.tokenizer import Tokenizer
@@ -303,6 +304,7 @@ def run(cfg: DictConfig) -> list[dict]:
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="passkey")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("passkey", cfg)  # every option before anything is loaded or written
     run(cfg)
 
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
+from rope_llama.cli.schema import check_command
 from rope_llama.data.cache import prepare
 
 
@@ -47,6 +48,7 @@ def run(cfg: DictConfig) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="prepare_data")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("prepare_data", cfg)  # every option before anything is loaded or written
     run(cfg)
 
 

@@ -37,6 +37,7 @@ import sys
 from omegaconf import OmegaConf
 
 from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
+from rope_llama.cli.schema import check_command
 from rope_llama.study.config import StudyConfig
 from rope_llama.study.lanes import run
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     cfg = OmegaConf.merge(OmegaConf.structured(StudyConfig), OmegaConf.from_dotlist(ours))
+    check_command("study", cfg)
     run(OmegaConf.to_object(cfg), extra)
 
 

@@ -25,8 +25,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rope_llama import CONFIGS, checkout
 from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
 from rope_llama.cli.instantiate import build
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import (
     CheckpointError,
+    check_finite_weights,
     check_weights_fit,
     differing_settings,
     load_weights,
@@ -105,6 +107,46 @@ def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
             f"pass init_from={ckpt_path} to start a new run from its weights."
         )
     return model_state_from_checkpoint(ckpt), ckpt.get("model_config")
+
+
+# What a resumed run must keep: its optimizer state, weights and positions were made with these.
+RESUMED_GROUPS = ("model", "rope", "extend", "positions", "optim")
+
+
+def flat(node, prefix: str) -> dict[str, object]:
+    """A config node as dotted key -> value (lists as tuples), for comparing two runs' settings."""
+    if isinstance(node, dict):
+        return {
+            k: v
+            for key, sub in node.items()
+            if not str(key).startswith("_")
+            for k, v in flat(sub, f"{prefix}.{key}").items()
+        }
+    return {prefix: tuple(node) if isinstance(node, list) else node}
+
+
+def resumed_settings(cfg: DictConfig, ckpt_path: str) -> None:
+    """One sentence when a resume changes what the checkpoint's run trained with (its .hydra/config.yaml):
+    another optimizer cannot load its state, another model or RoPE would continue different weights."""
+    saved_path = Path(ckpt_path).resolve().parent.parent / ".hydra" / "config.yaml"
+    if not saved_path.is_file():
+        return  # a checkpoint outside a run directory: its weights are still checked against the model
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=False)
+    here = OmegaConf.to_container(cfg, resolve=False)
+    changed = []
+    for group in RESUMED_GROUPS:
+        before, now = flat(saved.get(group, {}), group), flat(here.get(group, {}), group)
+        changed += [
+            f"{k}={before.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(before) | set(now))
+            if before.get(k) != now.get(k)
+        ]
+    if changed:
+        raise CheckpointError(
+            f"ckpt_path {ckpt_path} resumes a run trained with other settings ({', '.join(changed[:3])}"
+            f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}); resume with the run's own "
+            "settings, or pass init_from= to start a new run from its weights."
+        )
 
 
 def group_values(node: DictConfig) -> dict:
@@ -203,9 +245,14 @@ def setup_run(cfg: DictConfig):
         )
     if not cfg.overwrite:
         refuse_to_overwrite(run_dir, ckpt_path)
+    if ckpt_path:
+        resumed_settings(cfg, ckpt_path)
     resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
     init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
     init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
+    for state, path in ((resume_state, ckpt_path), (init_state, cfg.init_from)):
+        if state is not None:
+            check_finite_weights(state, path)
     base = read_entries(init_ckpt, Path(cfg.init_from))[0] if init_ckpt is not None else None
     lengths, rope, extend = run_positions(cfg, base)  # RoPE errors before any data work too
     if base is not None:  # the weights define the shape: a real model needs no model= of its own
@@ -247,6 +294,7 @@ def setup_run(cfg: DictConfig):
             differing_settings(init_ckpt.get("model_config"), model_config),
         )
         print(f"Initialised weights from {cfg.init_from}")
+    callbacks = [*build_callbacks(cfg.callbacks), sample]  # their own refusals, before any write
     if is_first_process():  # every check passed: the run's own files go in now
         overrides = HydraConfig.get().overrides.task
         write_hydra_config(run_dir, cfg, overrides)
@@ -255,7 +303,7 @@ def setup_run(cfg: DictConfig):
     trainer = build_trainer(
         cfg.trainer,
         logger=build(cfg.logger),
-        callbacks=[*build_callbacks(cfg.callbacks), sample],
+        callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
@@ -344,6 +392,7 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     lock = None
     try:
+        check_command("train", cfg)  # every option before the lock, the data or any write
         if run_dir_is_named(HydraConfig.get().overrides.hydra):
             check_run_name(cfg.run_name)
         if is_first_process():  # the other ranks run inside the first one's lock

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from rope_llama import CONFIGS
 from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import long_documents, method_grid, method_names, option_list, require
+from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.core.checks import check_number
 from rope_llama.core.memory import check_fits
@@ -378,6 +379,7 @@ def log_to_wandb(cfg: DictConfig, out: Path, pictures: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="visualize")
 @one_sentence_errors
 def main(cfg: DictConfig) -> None:
+    check_command("visualize", cfg)  # every option before anything is loaded or written
     run(cfg)
 
 

@@ -283,13 +283,27 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def check_finite_weights(state: dict, path: str | os.PathLike) -> None:
+    """One sentence when a checkpoint's weights hold nan or inf (a diverged or damaged run): every
+    forward would give nan, and a fine-tune or an export would carry them on."""
+    bad = [name for name, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()
+           and not torch.isfinite(t).all()]  # fmt: skip
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"{path} holds non-finite weights (nan or inf) in {bad[0]!r}{more}; it cannot be used."
+        )
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> LoadedCheckpoint:
     """Rebuild the model (eval mode, weights loaded strictly) from a checkpoint file or run dir."""
     p = resolve_checkpoint(path)
     ckpt = safe_load(p, map_location)
     config, tokenizer = read_entries(ckpt, p)
     model = Llama(config)
-    load_weights(model, model_state_from_checkpoint(ckpt), f"{p} weights do not match its model_config")
+    state = model_state_from_checkpoint(ckpt)
+    check_finite_weights(state, p)
+    load_weights(model, state, f"{p} weights do not match its model_config")
     return LoadedCheckpoint(
         model=model.eval(),
         config=config,

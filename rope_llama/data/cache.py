@@ -189,6 +189,8 @@ def invalid_reason(store: Store, key: str, verify: bool = False) -> str | None:
         meta = json.loads(store.read("meta.json"))
         if meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key:
             return "metadata format or key does not match"
+        if meta.get("sha256") != _meta_digest(meta):
+            return "meta.json does not match its hash (edited or damaged)"
         if (
             not store.exists("tokenizer.json")
             or _sha256(store.read("tokenizer.json")) != meta["tokenizer"]["sha256"]
@@ -395,8 +397,15 @@ def _check_vocab_fits(vocab_size: int, dtype_name: str) -> None:
         )
 
 
+def _meta_digest(meta: dict) -> str:
+    """The hash of meta.json's own entries (all but this one): an edited count (chars, tokens) is found at open."""
+    return _sha256(
+        json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode("utf-8")
+    )
+
+
 def _write_meta(store: Store, meta: dict) -> None:
-    store.write("meta.json", json.dumps(meta).encode("utf-8"))
+    store.write("meta.json", json.dumps({**meta, "sha256": _meta_digest(meta)}).encode("utf-8"))
 
 
 def _sha256(data: bytes) -> str:

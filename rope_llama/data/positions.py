@@ -17,7 +17,7 @@ Draws are a pure function of (seed, batch index), so a resumed run gets the same
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -34,9 +34,10 @@ STREAM = 3  # the ids' own RNG stream: never the window starts' (seed, i) or an 
 class PositionsConfig:
     """kind: one of KINDS; target_len: the length the positions span (pose, randomized); chunks: PoSE's."""
 
-    kind: str = "contiguous"
-    target_len: int | None = None
-    chunks: int = 2
+    # metadata: each field's allowed values (core/schema.py); `check` adds the rules relative to max_len
+    kind: str = field(default="contiguous", metadata={"choices": KINDS})
+    target_len: int | None = field(default=None, metadata={"minimum": 1})
+    chunks: int = field(default=2, metadata={"minimum": 1})
 
     @classmethod
     def from_options(cls, options: Mapping | None) -> PositionsConfig:

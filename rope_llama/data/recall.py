@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
 
-from rope_llama.core.checks import check_number
+from rope_llama.core.schema import check_fields
 from rope_llama.data import DataError, templates
 from rope_llama.data.tokenizer import Tokenizer
 
@@ -113,67 +113,75 @@ def capped_repeats(rng: np.random.Generator, length: int, free: int) -> int:
 
 @dataclass(frozen=True)
 class RecallConfig:
-    """The `data.recall` options (docs/data.md). fraction 0 turns recall windows off."""
+    """The `data.recall` options (docs/data.md). fraction 0 turns recall windows off. Field metadata: the
+    allowed values (core/schema.py), checked by `from_options` and by the command schemas."""
 
-    fraction: float = 0.0  # probability that a training window becomes a recall window
-    seed: int = 0  # seeds the recall windows, independently of data.seed
-    min_pairs: int = 1  # facts per window, drawn uniformly in [min_pairs, max_pairs]
-    max_pairs: int = 4
-    queries: int = 1  # questions at the end, each about a different fact (at most min_pairs)
-    curriculum_batches: int = 0  # batches over which distance and facts grow to full; 0 = none
-    copy_fraction: float = 0.0  # probability that another window becomes a copy window (`copy_window`)
+    # probability that a training window becomes a recall window
+    fraction: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
+    # seeds the recall windows, independently of data.seed
+    seed: int = field(default=0, metadata={"minimum": 0})
+    # facts per window, drawn uniformly in [min_pairs, max_pairs]
+    min_pairs: int = field(default=1, metadata={"minimum": 1})
+    max_pairs: int = field(default=4, metadata={"minimum": 0})
+    # questions at the end, each about a different fact (at most min_pairs)
+    queries: int = field(default=1, metadata={"minimum": 1})
+    # batches over which distance and facts grow to full; 0 = none
+    curriculum_batches: int = field(default=0, metadata={"minimum": 0, "means": "0 = none"})
+    # probability that another window becomes a copy window (`copy_window`)
+    copy_fraction: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows whose questions continue the haystack's last line instead of starting their
     # own: the passkey's question ends a long line, where a model that saw only line-initial questions
     # ends the line instead of answering.
-    midline_share: float = 0.0
+    midline_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows whose haystack is one long line (its newlines become spaces), facts sit after
     # sentence ends and questions continue the line: the passkey prompt is a single ~250-token line, where a
     # model that only saw verse (a newline every ~10 tokens) answers "The pass key is" with a newline.
-    flat_share: float = 0.0
-    far_share: float = 0.3  # share of windows (at full curriculum) with a fact in the haystack's first tenth
+    flat_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
+    # share of windows (at full curriculum) with a fact in the haystack's first tenth
+    far_share: float = field(default=0.3, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows whose tags all end in the same noun ("iron bell", "old bell"), so the token
     # before " is" matches every fact and only the one before it tells them apart: the passkey's " ke"+"y is"
     # shares its last two tokens with the filler's " sk"+"y is" (reports/2026-11-27-recall-rounds.md, seventh round).
-    shared_noun_share: float = 0.0
+    shared_noun_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Loss weight of the recall answers' tokens (each other token weighs 1; the loss is the weighted mean):
     # the first answer token decides between copying the value and continuing the text, and at weight 1
     # the answers are ~2% of a batch's loss (reports/2026-11-27-recall-rounds.md, tenth round). 1 = off: batches stay (x, y).
-    answer_weight: float = 1.0
+    answer_weight: float = field(default=1.0, metadata={"minimum": 1, "means": "1 = off"})
     # Share of recall windows (at full curriculum; scaled by its progress, so the copy forms first) holding a
     # decoy: one never-asked fact stated 2-8 times whose tag shares an asked fact's noun. The passkey's
     # question shares its last tokens with the filler's "The sky is blue.", repeated a dozen times, and the
     # misses of eleven rounds are that filler's " blue" or a newline (reports/2026-11-27-recall-rounds.md, twelfth round).
-    decoy_share: float = 0.0
+    decoy_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows (at full curriculum; scaled by its progress) in which one asked fact is never
     # stated: its question still ends the window, and only its answer's first token (the value's leading
     # space) is trained, its digits weighing 0, so a question must predict a number from its wording alone,
     # as the one base that answers the passkey from the question does (reports/2026-11-27-recall-rounds.md, fifteenth round).
-    unstated_share: float = 0.0
+    unstated_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows whose tags are two random one-token words of the tokenizer's vocabulary ("The
     # dagger honest is 48213.") instead of an adjective and a noun from the lists above: the bases answer a
     # question about a listed tag with a number, with or without the fact, but not one about "the pass key"
     # (reports/2026-11-27-recall-rounds.md, fifteenth round). 0 draws nothing.
-    word_tag_share: float = 0.0
+    word_tag_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows (at full curriculum; scaled by its progress) holding a filler block: one to three
     # never-asked statements "The <word> is <word>." with word values, the first about the asked fact's last
     # tag word ("The bell is narrow." beside "The iron bell is 73912."), the block repeated 2-8 times. The
     # passkey's filler "The sky is blue." matches its question "The pass key is" on " y is" and repeats a dozen
     # times; a word value after a matching " is" is never the answer, so only the tag's earlier tokens or a
     # number prior tell the needle apart (reports/2026-11-27-recall-rounds.md, sixteenth round). 0 draws nothing.
-    filler_share: float = 0.0
+    filler_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of copy windows' numbers that are runs of 2-4 consecutive numbers (" 41337 41338 41339"): each
     # number's digits follow from the previous one's, so a digit's identity pays before any induction head
     # forms; elsewhere the values are random, and every base first folds the ten digits' embeddings onto one
     # direction, which the bases that never copy keep (reports/2026-11-27-recall-rounds.md, twenty-first and twenty-second rounds).
     # 0 draws nothing.
-    counting_share: float = 0.0
+    counting_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of recall windows worded by a template drawn from the generated training space (data/templates.py:
     # thing words, tag patterns, statements, layouts including the plays' dialogue, questions, answer leads;
     # numbers of 3-7 digits) instead of TEMPLATES; the held-out families there are never drawn. 0 draws nothing.
-    varied_share: float = 0.0
+    varied_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
     # Share of those varied windows whose thing words ("code", "ticket", ...) are random one-token vocabulary words
     # instead: a question about a thing never named in training still asks for a number. 0 draws nothing.
-    word_thing_share: float = 0.0
+    word_thing_share: float = field(default=0.0, metadata={"minimum": 0, "maximum": 1})
 
     @property
     def weighted(self) -> bool:
@@ -188,19 +196,7 @@ class RecallConfig:
         if unknown := sorted(set(options) - set(allowed)):
             raise DataError(f"data.recall keys {unknown} are unknown; allowed keys are {allowed}.")
         cfg = cls(**options)
-        for name in [f.name for f in fields(cls) if f.name.endswith(("fraction", "share"))]:  # probabilities
-            value = getattr(cfg, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise DataError(f"data.recall.{name} must lie in [0, 1], got {value!r}.")
-        weight = cfg.answer_weight
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 1 <= weight < float("inf"):
-            raise DataError(
-                f"data.recall.answer_weight must be a finite number >= 1 (1 = off), got {weight!r}."
-            )
-        for name in ("seed", "min_pairs", "max_pairs", "queries", "curriculum_batches"):
-            value = getattr(cfg, name)
-            lowest = 1 if name in ("min_pairs", "queries") else 0
-            check_number(f"data.recall.{name}", value, minimum=lowest, integer=True, error=DataError)
+        check_fields(cfg, "data.recall", DataError)
         if not cfg.queries <= cfg.min_pairs <= cfg.max_pairs <= len(ADJECTIVES) * len(NOUNS):
             raise DataError(
                 f"data.recall needs queries <= min_pairs <= max_pairs, got queries={cfg.queries}, "

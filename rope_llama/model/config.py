@@ -50,24 +50,29 @@ class TrainedLengths:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None = n_heads (MHA); fewer = grouped-query attention
-    ffn_hidden: int | None = None  # None = 8/3 * d_model rounded up to ffn_multiple_of (LLaMA)
-    ffn_multiple_of: int = 64
-    norm_eps: float = 1e-5
+    # metadata: each field's allowed values for the option schemas (core/schema.py; check_number's words)
+    vocab_size: int = field(default=4096, metadata={"minimum": 1})
+    d_model: int = field(default=256, metadata={"minimum": 1})
+    n_layers: int = field(default=4, metadata={"minimum": 1})
+    n_heads: int = field(default=4, metadata={"minimum": 1})
+    n_kv_heads: int | None = field(
+        default=None, metadata={"minimum": 1}
+    )  # None = n_heads (MHA); fewer = grouped-query attention
+    ffn_hidden: int | None = field(
+        default=None, metadata={"minimum": 1}
+    )  # None = 8/3 * d_model rounded up to ffn_multiple_of (LLaMA)
+    ffn_multiple_of: int = field(default=64, metadata={"minimum": 1})
+    norm_eps: float = field(default=1e-5, metadata={"above": 0, "below": 1})
     tie_embeddings: bool = True
-    dropout: float = 0.0
-    init_std: float = 0.02
+    dropout: float = field(default=0.0, metadata={"minimum": 0, "below": 1})
+    init_std: float = field(default=0.02, metadata={"above": 0, "maximum": 1})
     # Add learned per-channel gates times the embeddings of the n preceding tokens to each token's
     # embedding (Olsson et al. 2022's "smeared keys", at the input; a short causal convolution): one
     # attention layer can then match a token's context against earlier ones, so a copy (induction)
     # head forms without the long plateau of a two-layer circuit; n = 2 matches on two tokens, which
     # copying digits needs when a digit repeats. transformers' Llama cannot express it (export refuses).
     # docs/data.md, Recall windows. 0 = off.
-    mix_previous_tokens: int = 0
+    mix_previous_tokens: int = field(default=0, metadata={"minimum": 0, "means": "0 = off"})
     rope: RopeConfig = field(default_factory=RopeConfig)
     extend: ExtendConfig = field(default_factory=ExtendConfig)  # absent in older checkpoints: none
     # what training wrote (model/context.py); None only until train.py or an import sets it

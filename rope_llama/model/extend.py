@@ -29,7 +29,7 @@ This file is the math (pure functions) and the merged attention; model/llama.py 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
@@ -65,10 +65,11 @@ class ExtendConfig:
                        fills it from the model's trained lengths.
     """
 
-    method: str = "none"
-    window: int = 64
-    group: int = 32
-    original_max_len: int | None = None
+    # metadata: each field's allowed values for the option schemas (core/schema.py; check_number's words)
+    method: str = field(default="none", metadata={"choices": EXTEND_METHODS})
+    window: int = field(default=64, metadata={"minimum": 1})
+    group: int = field(default=32, metadata={"minimum": 1})
+    original_max_len: int | None = field(default=None, metadata={"minimum": 2})
 
     def __post_init__(self):
         object.__setattr__(self, "method", enum_choice(self.method, ExtendMethod, "extend method", "methods"))

@@ -27,7 +27,7 @@ This file is the plain reference; kernels/rope.py holds a faster drop-in for `ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
@@ -87,18 +87,27 @@ class RopeConfig:
     max_position:      optional hard capacity: positions >= max_position raise ValueError.
     """
 
-    base: float = 10000.0
-    scaling: str = "none"
-    factor: float = 1.0
-    original_max_len: int | None = None
-    layout: str = "half"
-    rotary_dim: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    max_position: int | None = None
+    # metadata: each field's allowed values for the option schemas (core/schema.py; check_number's words)
+    base: float = field(default=10000.0, metadata={"above": 1})
+    scaling: str = field(default="none", metadata={"choices": SCALINGS})
+    factor: float | None = field(
+        default=1.0,
+        metadata={
+            "minimum": 1,
+            "maximum": 2**20,
+            "means": "1 = no scaling",
+            "none_means": "derived by model/context.py",
+        },
+    )
+    original_max_len: int | None = field(default=None, metadata={"minimum": 1})
+    layout: str = field(default="half", metadata={"choices": LAYOUTS})
+    rotary_dim: int | None = field(default=None, metadata={"minimum": 2})
+    beta_fast: float = field(default=32.0, metadata={"above": 0})
+    beta_slow: float = field(default=1.0, metadata={"above": 0})
+    attention_factor: float | None = field(default=None, metadata={"above": 0})
+    low_freq_factor: float = field(default=1.0, metadata={"above": 0})
+    high_freq_factor: float = field(default=4.0, metadata={"above": 0})
+    max_position: int | None = field(default=None, metadata={"minimum": 1})
 
     def __post_init__(self):
         object.__setattr__(

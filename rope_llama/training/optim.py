@@ -12,12 +12,12 @@ scheduler work unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from rope_llama.core.checks import check_number
+from rope_llama.core.schema import check_fields
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -50,50 +50,34 @@ class OptimConfig:
     """configs/optim/<name>.yaml: the optimizer and its schedule; an unknown `name` fails on construction.
     `lr`, `betas` and `weight_decay` are AdamW's (with muon: for the parameters Muon does not take)."""
 
-    name: str = "adamw"
-    lr: float = 3e-3
-    schedule: str = "cosine"  # after the warmup: cosine, or wsd (constant, then a linear decay at the end)
-    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
-    decay_fraction: float = 0.3  # wsd: the share of the schedule's steps that decay
-    weight_decay: float = 0.1  # matrices only
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 100
-    schedule_steps: int | None = (
-        None  # the schedule's length (null: trainer.max_steps); longer stops mid-decay
+    # metadata: each field's allowed values (core/schema.py), checked on construction and by the train schema
+    name: str = field(default="adamw", metadata={"choices": OPTIMIZERS})
+    lr: float = field(default=3e-3, metadata={"above": 0, "maximum": 10})
+    # after the warmup: cosine, or wsd (constant, then a linear decay at the end)
+    schedule: str = field(default="cosine", metadata={"choices": SCHEDULES})
+    # the schedule decays to lr * min_lr_ratio at the last step (< 0 would be gradient ascent)
+    min_lr_ratio: float = field(default=0.1, metadata={"minimum": 0, "maximum": 1})
+    decay_fraction: float = field(
+        default=0.3, metadata={"above": 0, "maximum": 1}
+    )  # wsd: the share that decays
+    weight_decay: float = field(default=0.1, metadata={"minimum": 0, "maximum": 10})  # matrices only
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"minimum": 0, "below": 1})
+    warmup_steps: int = field(default=100, metadata={"minimum": 0})
+    # the schedule's length; longer stops mid-decay
+    schedule_steps: int | None = field(
+        default=None, metadata={"minimum": 1, "none_means": "trainer.max_steps"}
     )
-    muon_lr: float = 0.01
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
-    muon_dtype: str = "auto"  # Newton-Schulz's dtype: auto (the run's matmul dtype), bfloat16 or float32
+    muon_lr: float = field(default=0.01, metadata={"above": 0, "maximum": 10})
+    muon_momentum: float = field(default=0.95, metadata={"minimum": 0, "below": 1})
+    muon_weight_decay: float = field(default=0.0, metadata={"minimum": 0, "maximum": 10})
+    # Newton-Schulz's dtype: auto (the run's matmul dtype), bfloat16 or float32
+    muon_dtype: str = field(default="auto", metadata={"choices": ("auto", *MUON_DTYPES)})
 
     def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ValueError(
-                f"Unknown optimizer optim.name={self.name!r}; choose one of {', '.join(OPTIMIZERS)}."
-            )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"Unknown learning-rate schedule optim.schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}."
-            )
-        if self.muon_dtype != "auto" and self.muon_dtype not in MUON_DTYPES:
-            raise ValueError(
-                f"Unknown optim.muon_dtype={self.muon_dtype!r}; choose auto, {', '.join(MUON_DTYPES)}."
-            )
-        check_number("optim.lr", self.lr, above=0)
-        check_number("optim.muon_lr", self.muon_lr, above=0)
-        check_number("optim.min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)  # < 0: gradient ascent
-        check_number("optim.decay_fraction", self.decay_fraction, above=0, maximum=1)
-        check_number("optim.weight_decay", self.weight_decay, minimum=0)
-        check_number("optim.muon_weight_decay", self.muon_weight_decay, minimum=0)
-        check_number("optim.muon_momentum", self.muon_momentum, minimum=0, below=1)
-        check_number("optim.warmup_steps", self.warmup_steps, minimum=0, integer=True)
+        check_fields(self, "optim")
         self.betas = tuple(self.betas)  # a YAML list
         if len(self.betas) != 2:
             raise ValueError(f"optim.betas must be two numbers [beta1, beta2], got {list(self.betas)!r}.")
-        for i, beta in enumerate(self.betas):
-            check_number(f"optim.betas[{i}]", beta, minimum=0, below=1)
-        check_number("optim.schedule_steps", self.schedule_steps, minimum=1, integer=True, allow_none=True,
-                     none_means="trainer.max_steps")  # fmt: skip
 
 
 def lr_multiplier(cfg: OptimConfig, step: int, schedule_steps: int) -> float:
