@@ -228,7 +228,7 @@ def test_a_factor_without_a_scaling_is_refused():
     check_command("train", with_values("train", rope__scaling="linear", rope__factor=4))
 
 
-def test_a_warmup_as_long_as_the_schedule_is_refused():
+def test_a_warmup_longer_than_the_schedule_is_refused():
     with pytest.raises(OptionError, match=r"optim.warmup_steps=50 must be less than the schedule's 50 steps"):
         check_command("train", with_values("train", trainer__max_steps=50, optim__warmup_steps=50))
     check_command("train", with_values("train", trainer__max_steps=51, optim__warmup_steps=50))

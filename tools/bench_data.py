@@ -142,7 +142,7 @@ def train_start(corpus: str, tokenizer: str, cache: Path, out: Path) -> dict:
     clock.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_FIRST_STEP_FILE": str(clock)}
     args = [sys.executable, "train.py", *data_args(corpus, tokenizer, cache), "trainer.max_steps=5",
-            "sample.max_new_tokens=0", "logger=csv", f"hydra.run.dir={out / 'run'}",
+            "optim.warmup_steps=1", "sample.max_new_tokens=0", "logger=csv", f"hydra.run.dir={out / 'run'}",
             "+callbacks.first_step._target_=tools.bench_data.first_step_clock"]  # fmt: skip
     seconds, peak, _ = watch(args, env, until=clock, timeout=1800)
     return {"seconds": seconds, "rss": peak}

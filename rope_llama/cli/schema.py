@@ -51,7 +51,7 @@ OPTIONAL_TEXT = Option("text", allow_none=True)
 SEED = integer(minimum=0)
 THREADS = either(choice("auto"), integer(minimum=1))
 DTYPE = choice("auto", "float32", "bfloat16", "float16")
-SPLIT = choice("train", "val", "test")
+SPLIT = choice("val", "test")  # held-out documents
 LENGTHS = items(nonempty=True, unique=True)  # integers >= 2 or "2x": core/checks.py's check_lengths
 METHODS = items(TEXT, nonempty=True, unique=True)  # names: inference/evaluation.py's check_method
 ROPE, EXTEND = dataclass_options(RopeConfig, "rope"), dataclass_options(ExtendConfig, "extend")
@@ -193,14 +193,14 @@ GENERATE: Schema = {
     "prompt": OPTIONAL_TEXT,
     "prompt_file": OPTIONAL_TEXT,
     "num_samples": integer(minimum=1),
-    "max_new_tokens": integer(minimum=0),
+    "max_new_tokens": integer(minimum=1),
     "temperature": number(minimum=0, maximum=100, means="0 = greedy"),
     "top_k": integer(minimum=0, means="0 = no limit"),
     "top_p": number(above=0, maximum=1),
     "greedy": FLAG,
     "compile": FLAG,
     "native": FLAG,
-    "stop": either(TEXT, items(TEXT)),
+    "stop": either(TEXT, items(Option("text", nonempty=True))),
     "chat": FLAG,
     "system": OPTIONAL_TEXT,
     "stream": FLAG,
@@ -296,13 +296,14 @@ def unused_factor(cfg: DictConfig) -> None:
 
 
 def warmup_within_schedule(cfg: DictConfig) -> None:
-    """A warmup at least as long as the schedule never reaches the configured learning rate."""
+    """A warmup longer than the schedule never reaches the configured learning rate (a short smoke run
+    sets optim.warmup_steps=0 or a few steps)."""
     steps = present(cfg, "optim.schedule_steps") or present(cfg, "trainer.max_steps")
     warmup = present(cfg, "optim.warmup_steps")
-    if warmup and steps and warmup >= steps:
+    if warmup and steps and warmup > steps:
         raise OptionError(
-            f"optim.warmup_steps={warmup} must be less than the schedule's {steps} steps "
-            "(optim.schedule_steps, else trainer.max_steps); the learning rate would never reach optim.lr."
+            f"optim.warmup_steps={warmup} must be at most the schedule's {steps} steps (optim.schedule_steps, "
+            "else trainer.max_steps): the learning rate would never reach optim.lr; lower optim.warmup_steps."
         )
 
 

@@ -68,11 +68,19 @@ class Option:
         elif self.kind == "flag":
             words = "true or false"
         elif self.kind == "choice":
-            words = "one of " + ", ".join(str(c) for c in self.choices)
+            words = (
+                str(self.choices[0])
+                if len(self.choices) == 1
+                else "one of " + ", ".join(map(str, self.choices))
+            )
         elif self.kind == "text":
-            words = "a string" + (f" of at most {self.max_chars} characters" if self.max_chars else "")
-        elif self.kind == "either":
-            words = " or ".join(o.allowed() for o in self.options)
+            words = f"a {'non-empty ' if self.nonempty else ''}string"
+            words += f" of at most {self.max_chars} characters" if self.max_chars else ""
+        elif self.kind == "either":  # "true, false or auto", "an integer >= 1 or matched"
+            parts = [
+                w for o in self.options for w in (("true", "false") if o.kind == "flag" else (o.allowed(),))
+            ]
+            words = ", ".join(parts[:-1]) + " or " + parts[-1]
         elif self.kind == "list":
             quals = " ".join(
                 q for q, on in (("non-empty", self.nonempty), ("duplicate-free", self.unique)) if on
@@ -107,7 +115,8 @@ class Option:
         if self.kind == "choice":
             return not isinstance(value, bool) and value in self.choices
         if self.kind == "text":
-            return isinstance(value, str) and (self.max_chars is None or len(value) <= self.max_chars)
+            fits = self.max_chars is None or len(value) <= self.max_chars if isinstance(value, str) else False
+            return isinstance(value, str) and fits and not (self.nonempty and not value)
         if self.kind == "list":
             if not isinstance(value, list | tuple | ListConfig):
                 return False
