@@ -163,9 +163,11 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
     extends = {
         "none": ExtendConfig(),
         "self_extend": ExtendConfig("self_extend", int(cfg.window), int(cfg.group)),
+        # the other remaps at their defaults for this training length (model/extend.py)
+        **{m: ExtendConfig(m, original_max_len=L0) for m in ("string", "dca", "rerope", "leaky_rerope")},
     }
-    remaps = [
-        {"method": m, "distance": int(d), "seen": int(s)}
+    remaps = [  # integers, but for leaky ReRoPE's fractional distances
+        {"method": m, "distance": int(d), "seen": int(s) if float(s).is_integer() else round(float(s), 3)}
         for m, extend in extends.items()
         for d, s in zip(true, seen_distances(extend, query, true))
     ]

@@ -26,14 +26,14 @@ mask and ONE softmax. Each method is a small pure function of its parameters ret
     * its cos/sin temperature 0.1 ln 2 + 1 is not part of the method: it scales every score (inside
       the band too) by (0.1 ln 2 + 1)^2, a YaRN-like attention factor, which RopeConfig owns already:
       rope.attention_factor=1.0693 adds it to any method.
-    * defaults: S = L0 // 3 (the paper's), W = min(128, L0 // 16): the paper's 128 for every model it
+    * defaults: S = L0 // 3 (the paper's), W = min(128, L0 // 16) (at least 1): the paper's 128 for every model it
       runs (L0 >= 2048), and its 2,048-token TinyLlama proportion below, where 128 would exceed S.
 - dca (An et al. 2024, ChunkLlama), chunk size s and local window w: chunks of c = s - w positions.
   Intra-chunk pairs (same chunk) are near, at true positions: the reference puts both at k % c and q %
   c, whose difference is q - k within a chunk, so the scores are the same (RoPE is relative). The
   successive-chunk query sits at min(q % c + c, s), the inter-chunk query at min(2c - 1, s) (the
   reference's successive map at c - 1), every far key at k % c: every distance stays within s.
-  Defaults s = 3 * L0 // 4 and w = L0 // 8 (the reference's replace_with_chunkllama). Its length
+  Defaults s = 3 * L0 // 4 and w = L0 // 8, at least 1 (the reference's replace_with_chunkllama). Its length
   dependent cos/sin scale (0.05 ln(T / L0) + 1, unused for the paper's results) is not taken, as
   STRING's temperature.
 - rerope (Su 2023, bojone/rerope), window w: near q - k < w; far query at w, key at 0: every distance
@@ -236,7 +236,7 @@ def remap_parameters(cfg: ExtendConfig) -> dict:
         shift = cfg.shift if cfg.shift is not None else l0 // STRING_SHIFT_DIVISOR
         window = cfg.local_window
         if window is None:
-            window = min(STRING_WINDOW, l0 // STRING_WINDOW_DIVISOR)
+            window = max(1, min(STRING_WINDOW, l0 // STRING_WINDOW_DIVISOR))
         if not window < shift <= bound:
             within = "" if l0 is None else f" and at most the training length ({l0})"
             raise ValueError(
@@ -245,7 +245,7 @@ def remap_parameters(cfg: ExtendConfig) -> dict:
         return {"shift": shift, "window": window}
     if method == "dca":
         chunk = cfg.chunk if cfg.chunk is not None else l0 * DCA_CHUNK_SHARE[0] // DCA_CHUNK_SHARE[1]
-        window = cfg.local_window if cfg.local_window is not None else l0 // DCA_WINDOW_DIVISOR
+        window = cfg.local_window if cfg.local_window is not None else max(1, l0 // DCA_WINDOW_DIVISOR)
         if not chunk <= bound:
             raise ValueError(
                 f"extend chunk must be at most the training length ({l0}) for extend=dca, got {chunk}."
