@@ -147,7 +147,7 @@ class ExtendConfig:
         default=None,
         metadata={
             "minimum": 1,
-            "means": "None = min(128, L0 // 16) for string, L0 // 8 for dca, L0 // 4 for rerope",
+            "means": "None = min(128, L0 // 16) for string, L0 // 8 for dca, L0 // 4 for (leaky) rerope",
         },
     )
     chunk: int | None = field(default=None, metadata={"minimum": 2, "means": "None = 3 * L0 // 4"})
@@ -159,7 +159,7 @@ class ExtendConfig:
             if f.metadata:
                 optional = "None" in f.type and not (f.name == "original_max_len" and self.logn)
                 check_field(f.name, getattr(self, f.name), f.type.startswith("int"), optional, f.metadata)
-        if self.method in ("string", "dca", "rerope", "leaky_rerope"):
+        if self.method in REMAP_METHODS:
             remap_parameters(self)  # refuses parameters that cannot work, in one sentence
 
     @property
