@@ -7,7 +7,8 @@
 
 view=rope: wavelength per rotary pair for every scaling (YaRN's and Llama-3's kept / ramped / interpolated
 pairs marked), the score of fixed q and k against m - n at three absolute offsets, RoFormer's long-term
-decay bound for each scaling and base, and the distances Self-Extend's remap makes attention use.
+decay bound for each scaling and base, and the distances each remap (Self-Extend, STRING, DCA, ReRoPE)
+makes attention use.
 view=attention: for each length and method, the model's own attention (rope_llama/viz/attention_maps.py):
 heatmaps of the chosen layers (every head, log colour), attention mass against relative distance and
 entropy against query position for every layer and head, and with needle=true a passkey prompt's needle
