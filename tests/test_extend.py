@@ -586,3 +586,15 @@ def test_generate_cli_scores_with_an_extension_override(extend, options, tmp_pat
     assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
     code, _, err = run_generate_main(args + [f"extend={extend}", "extend.group=0"], monkeypatch, capsys)
     assert code == 2 and "extend group must be an integer >= 1 (a group size), got 0." in err
+
+
+def test_generate_cli_refuses_a_remap_that_cannot_work(tmp_path, monkeypatch, capsys):
+    """generate.py extend=dca with its local window as large as its chunk: exit 2, one sentence."""
+    tok = text_tokenizer(tmp_path)
+    run = save_run(extended(ROPES["none"], ExtendConfig(), vocab_size=tok.vocab_size), tok, tmp_path / "run")
+    args = [f"ckpt={run}", "prompt=ROMEO:", "extend=dca", "extend.chunk=16", "extend.local_window=16"]
+    code, _, err = run_generate_main(args, monkeypatch, capsys)
+    message = (
+        "extend local_window must be an integer in [1, 15] (below the chunk, 16) for extend=dca, got 16."
+    )
+    assert code == 2 and message in err
