@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from rope_llama.model.extend import REMAP_METHODS
 from tests.helpers import ROOT
 
 pytestmark = (
@@ -96,10 +97,10 @@ def test_quick_bench_writes_every_section(tmp_path, precision, dtype):
         assert rates["ours"] > 0
         for peer, ratio in scoring["ratio"][key].items():
             assert math.isclose(ratio, rates["ours"] / rates[peer])
-    se_scoring = scoring["self_extend"]
-    assert se_scoring["length"] == 96 and math.isclose(
-        se_scoring["on_over_off"], se_scoring["tokens_per_s"]["on"] / se_scoring["tokens_per_s"]["off"]
-    )
+    remaps = scoring["remaps"]  # every remap against plain attention, same weights, one run
+    assert remaps["length"] == 96 and set(remaps["over_plain"]) == set(REMAP_METHODS)
+    for method, ratio in remaps["over_plain"].items():
+        assert math.isclose(ratio, remaps["tokens_per_s"][method] / remaps["tokens_per_s"]["off"])
     assert "| 96 tokens, float32 |" in run.stdout
 
     threads = r["threads"]  # 1 thread against one per core, quiet and beside a training-like process

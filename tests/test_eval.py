@@ -140,6 +140,20 @@ def test_grid_composes_extensions_with_rope_scalings(run_dir, tmp_path):
     assert float(rows["self_extend", 4 * L0, "ppl"]["factor"]) == 1.0
 
 
+def test_grid_runs_every_remap_at_its_defaults(run_dir, tmp_path):
+    """STRING, DCA, ReRoPE and leaky ReRoPE by name at the defaults of L0 = 32 (STRING S = 10, W = 2; DCA
+    chunks of 24 - 4 = 20; ReRoPE w = 8): DCA inside its first chunk is exactly `none`; past L0 every
+    remap changes the numbers; `yarn+string` keeps yarn's matched factor."""
+    methods = "methods=[none,string,dca,rerope,leaky_rerope,yarn+string]"
+    eval_extrapolation.run(eval_cfg(run_dir, tmp_path, f"lengths=[16,{4 * L0}]", methods))
+    rows = rows_by(tmp_path / "results.csv")
+    for metric in ("ppl", "tail_ppl"):
+        assert rows["dca", 16, metric]["value"] == rows["none", 16, metric]["value"]
+        for method in ("string", "dca", "rerope", "leaky_rerope", "yarn+string"):
+            assert rows[method, 4 * L0, metric]["value"] != rows["none", 4 * L0, metric]["value"]
+    assert float(rows["yarn+string", 4 * L0, "ppl"]["factor"]) == 4.0
+
+
 def test_matched_group_gives_each_length_the_least_group_that_fits(run_dir, tmp_path):
     """extend_options.group=matched scores length T exactly as the fixed group matched_group(T) does:
     at W = 16, L0 = 32 (reach at most 23), length 128 takes G = 15 (127 // 14 + 16 - 1 = 24, 127 // 15 +

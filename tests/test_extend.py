@@ -1,5 +1,6 @@
-"""Self-Extend and log-n attention (model/extend.py): the math against hand-computed values and an
-independent loop, the model paths against each other, and every refusal."""
+"""The remaps (Self-Extend, STRING, DCA, ReRoPE, leaky ReRoPE) and log-n attention (model/extend.py): the
+math against hand-computed values and an independent loop, the model paths against each other, the
+blocked kernel against the plain merge, and every refusal."""
 
 from __future__ import annotations
 
@@ -19,19 +20,19 @@ from rope_llama.inference.generation import (
     score_tokens,
 )
 from rope_llama.interchange.hf import ExportError
-from rope_llama.kernels import attention as kernel_attention
 from rope_llama.kernels import use_kernels
-from rope_llama.kernels.self_extend import self_extend_attention
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import (
     ExtendConfig,
-    grouped_key_positions,
-    grouped_query_positions,
     logn_scale,
     matched_group,
     merged_attention,
-    neighbour_mask,
+    regions,
+    remap_parameters,
+    remapped_distances,
+    remapped_query_positions,
     self_extend_reach,
+    self_extend_remap,
 )
 from rope_llama.model.kv_cache import KVCache
 from rope_llama.model.llama import Llama
@@ -58,10 +59,7 @@ def rotate_pair(x: torch.Tensor, position: int, base: float = 10000.0) -> torch.
 def seen_distances(seq_len: int, window: int, group: int) -> torch.Tensor:
     """(L, L): the distance each query sees to each key under Self-Extend (upper triangle unused)."""
     pos = torch.arange(seq_len)
-    grouped = (
-        grouped_query_positions(pos, window, group)[:, None] - grouped_key_positions(pos, group)[None, :]
-    )
-    return torch.where(neighbour_mask(pos, pos, window), pos[:, None] - pos[None, :], grouped)
+    return remapped_distances(self_extend_remap(window, group), pos, pos).long()
 
 
 def test_grouped_distances_match_the_hand_computed_table():
@@ -102,7 +100,7 @@ def test_matched_group_is_the_least_group_within_three_quarters_of_the_training_
         matched_group(1024, 192, 256)
 
 
-def test_neighbour_mask_is_the_papers_triangle_difference():
+def test_neighbour_region_is_the_papers_triangle_difference():
     """The reference builds the neighbour region as the causal triangle minus the triangle shifted by
     W (rows W.., columns ..-W); re-derived here, it must equal our rule on every causal pair."""
     L, W = 11, 4
@@ -110,36 +108,111 @@ def test_neighbour_mask_is_the_papers_triangle_difference():
     reference[W:, :-W] -= torch.tril(torch.ones(L - W, L - W))
     pos = torch.arange(L)
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    assert torch.equal(neighbour_mask(pos, pos, W) & causal, reference.bool())
+    assert torch.equal((regions(self_extend_remap(W, 2), pos, pos) == 0) & causal, reference.bool())
 
 
-def test_merged_attention_equals_an_explicit_loop_over_pairs():
-    """1 head, D=4, L=8, W=3, G=2: every score from `rotate_pair` at the positions the paper assigns."""
-    L, D, W, G = 8, 4, 3, 2
+def test_remapped_distances_match_the_hand_computed_tables():
+    """L=10, row q lists the distance the query sees to keys 0..q, worked out by hand from each paper.
+    STRING S=4, W=2: d >= 4 is seen as d - 2. DCA s=5, w=2 (chunks of c=3): the previous chunk's keys
+    from min(q % 3 + 3, 5), older ones from min(2 * 3 - 1, 5) = 5, keys at k % 3. ReRoPE w=3: d >= 3
+    is seen as 3; leaky k=2: as 3 + (d - 3) / 2."""
+    pos = torch.arange(10)
+    expected = {
+        "string": [
+            [0],
+            [1, 0],
+            [2, 1, 0],
+            [3, 2, 1, 0],
+            [2, 3, 2, 1, 0],
+            [3, 2, 3, 2, 1, 0],
+            [4, 3, 2, 3, 2, 1, 0],
+            [5, 4, 3, 2, 3, 2, 1, 0],
+            [6, 5, 4, 3, 2, 3, 2, 1, 0],
+            [7, 6, 5, 4, 3, 2, 3, 2, 1, 0],
+        ],
+        "dca": [
+            [0],
+            [1, 0],
+            [2, 1, 0],
+            [3, 2, 1, 0],
+            [4, 3, 2, 1, 0],
+            [5, 4, 3, 2, 1, 0],
+            [5, 4, 3, 3, 2, 1, 0],
+            [5, 4, 3, 4, 3, 2, 1, 0],
+            [5, 4, 3, 5, 4, 3, 2, 1, 0],
+            [5, 4, 3, 5, 4, 3, 3, 2, 1, 0],
+        ],
+        "rerope": [[min(q - k, 3) for k in range(q + 1)] for q in range(10)],
+        "leaky_rerope": [
+            [q - k if q - k < 3 else 3 + (q - k - 3) / 2 for k in range(q + 1)] for q in range(10)
+        ],
+    }
+    configs = {
+        "string": ExtendConfig("string", shift=4, local_window=2),
+        "dca": ExtendConfig("dca", chunk=5, local_window=2),
+        "rerope": ExtendConfig("rerope", local_window=3),
+        "leaky_rerope": ExtendConfig("leaky_rerope", local_window=3, leak=2.0),
+    }
+    for method, table in expected.items():
+        seen = remapped_distances(configs[method].remap, pos, pos)
+        assert [seen[q, : q + 1].tolist() for q in range(10)] == table, method
+
+
+def paper_positions(method: str, i: int, j: int) -> tuple[float, float]:
+    """Where each paper puts query i and key j <= i, written out independently of model/extend.py (DCA's
+    intra-chunk pair at i % c, j % c, as its reference does). Parameters as in LOOP_CONFIGS."""
+    d = i - j
+    if method == "self_extend":  # W=3, G=2
+        return (i, j) if d < 3 else (i // 2 + 3 - 3 // 2, j // 2)
+    if method == "string":  # S=4, W=2
+        return (i, j) if d < 4 else (i - 4 + 2, j)
+    if method == "dca":  # s=5, w=2, c=3
+        if i // 3 == j // 3:
+            return i % 3, j % 3
+        return (min(i % 3 + 3, 5) if i // 3 - j // 3 == 1 else min(2 * 3 - 1, 5)), j % 3
+    if method == "rerope":  # w=3
+        return (i, j) if d < 3 else (3, 0)
+    return (i, j) if d < 3 else ((i + 3 * (2 - 1)) / 2, j / 2)  # leaky_rerope: w=3, k=2
+
+
+LOOP_CONFIGS = {
+    "self_extend": ExtendConfig("self_extend", window=3, group=2),
+    "string": ExtendConfig("string", shift=4, local_window=2),
+    "dca": ExtendConfig("dca", chunk=5, local_window=2),
+    "rerope": ExtendConfig("rerope", local_window=3),
+    "leaky_rerope": ExtendConfig("leaky_rerope", local_window=3, leak=2.0),
+}
+
+
+@pytest.mark.parametrize("method", list(LOOP_CONFIGS))
+def test_merged_attention_equals_an_explicit_loop_over_pairs(method):
+    """1 head, D=4, L=11: every score from `rotate_pair` at the positions the paper assigns."""
+    L, D = 11, 4
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(L, D, generator=gen, dtype=torch.float64) for _ in range(3))
     expected = torch.empty(L, D, dtype=torch.float64)
     for i in range(L):
         scores = []
         for j in range(i + 1):
-            pq, pk = (i, j) if i - j < W else (i // G + W - W // G, j // G)
+            pq, pk = paper_positions(method, i, j)
             scores.append(rotate_pair(q[i], pq) @ rotate_pair(k[j], pk) / math.sqrt(D))
         probs = torch.stack(scores).softmax(0)
         expected[i] = (probs[:, None] * v[: i + 1]).sum(0)
 
+    remap = LOOP_CONFIGS[method].remap
     pos = torch.arange(L)
-    gq, gk = grouped_query_positions(pos, W, G), grouped_key_positions(pos, G)
 
     def rot(x, positions):
-        return torch.stack([rotate_pair(x[n], int(p)) for n, p in enumerate(positions)])
+        return torch.stack([rotate_pair(x[n], float(p)) for n, p in enumerate(positions)])[None, None]
 
+    far_keys = None if remap.key_map is None else rot(k, remap.key_map(pos))
     out = merged_attention(
-        rot(q, pos)[None, None],
-        rot(k, pos)[None, None],
-        rot(q, gq)[None, None],
-        rot(k, gk)[None, None],
+        rot(q, pos),
+        rot(k, pos),
+        tuple(rot(q, p) for p in remapped_query_positions(remap, pos)),
+        far_keys,
         v[None, None],
-        neighbour_mask(pos, pos, W)[None, None],
+        regions(remap, pos, pos)[None, None],
         mask=None,
     )
     torch.testing.assert_close(out[0, 0], expected, rtol=0, atol=1e-12)
@@ -155,7 +228,11 @@ def test_logn_scale_equals_the_closed_form():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"method": "longlm"}, "Unknown extend method 'longlm'; valid methods are none, self_extend, logn."),
+        (
+            {"method": "longlm"},
+            "Unknown extend method 'longlm'; valid methods are none, self_extend, logn, string, dca, rerope, "
+            "leaky_rerope.",
+        ),
         ({"window": 0}, "extend window must be an integer >= 1 (a number of positions), got 0."),
         ({"group": True}, "extend group must be an integer >= 1 (a group size), got True."),
         ({"group": 2.5}, "extend group must be an integer >= 1 (a group size), got 2.5."),
@@ -171,13 +248,75 @@ def test_config_errors_are_one_sentence(kwargs, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shift": 1}, "extend shift must be an integer >= 2 (None = L0 // 3), got 1."),
+        (
+            {"leak": 1.0},
+            "extend leak must be a finite number > 1 (the slope past the window is 1 / leak), got 1.0.",
+        ),
+        (
+            {"method": "string", "shift": 100, "original_max_len": 64},
+            "extend shift must be above local_window (4) and at most the training length (64) for extend=string, "
+            "got 100.",
+        ),
+        (
+            {"method": "string", "shift": 8, "local_window": 8},
+            "extend shift must be above local_window (8) for extend=string, got 8.",
+        ),
+        (
+            {"method": "dca", "chunk": 16, "local_window": 16},
+            "extend local_window must be an integer in [1, 15] (below the chunk, 16) for extend=dca, got 16.",
+        ),
+        (
+            {"method": "dca", "chunk": 300, "original_max_len": 256},
+            "extend chunk must be at most the training length (256) for extend=dca, got 300.",
+        ),
+        (
+            {"method": "rerope", "local_window": 256, "original_max_len": 256},
+            "extend local_window must be an integer >= 1 and below the training length (256) for extend=rerope, "
+            "got 256.",
+        ),
+        (
+            {"method": "leaky_rerope"},
+            "extend=leaky_rerope derives local_window from original_max_len, which is unset; give "
+            "extend.local_window or extend.original_max_len (the training length).",
+        ),
+    ],
+)
+def test_remap_parameters_that_cannot_work_are_one_sentence(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        ExtendConfig(**kwargs)
+    assert str(e.value) == message
+
+
+def test_defaults_derive_from_the_training_length():
+    """STRING S = L0 // 3, W = min(128, L0 // 16); DCA s = 3 L0 // 4, w = L0 // 8; ReRoPE w = L0 // 4,
+    leaky k = 16 (module docstring: whose choice each is)."""
+    for l0, string, dca, rerope in ((4096, (1365, 128), (3072, 512), 1024), (256, (85, 16), (192, 32), 64)):
+        got = {
+            m: remap_parameters(ExtendConfig(m, original_max_len=l0))
+            for m in ("string", "dca", "rerope", "leaky_rerope")
+        }
+        assert got["string"] == {"shift": string[0], "window": string[1]}
+        assert got["dca"] == {"chunk": dca[0], "window": dca[1]}
+        assert got["rerope"] == {"window": rerope}
+        assert got["leaky_rerope"] == {"window": rerope, "leak": 16.0}
+
+
 # ----------------------------------------------------------------------------- the model
 
 L = 80  # tokens of the model tests: past the window, the group's reach and L0
 EXTENDS = {
     "self_extend": ExtendConfig(method="self_extend", window=6, group=4),
     "logn": ExtendConfig(method="logn", original_max_len=L0),
+    "string": ExtendConfig(method="string", shift=12, local_window=4, original_max_len=L0),
+    "dca": ExtendConfig(method="dca", chunk=16, local_window=4, original_max_len=L0),
+    "rerope": ExtendConfig(method="rerope", local_window=8, original_max_len=L0),
+    "leaky_rerope": ExtendConfig(method="leaky_rerope", local_window=8, leak=4.0, original_max_len=L0),
 }
+REMAPS = [m for m in EXTENDS if m != "logn"]
 
 
 def extended(rope: RopeConfig, extend: ExtendConfig, n_kv_heads: int = 2, vocab_size: int = 97) -> Llama:
@@ -188,21 +327,21 @@ def extended(rope: RopeConfig, extend: ExtendConfig, n_kv_heads: int = 2, vocab_
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def own_compiled_graphs():
     """The compiled decode step is shared by the whole process, and Dynamo compiles one code object at
-    most recompile_limit times: the graphs of this module (every layout x extension) must not add up
-    with other modules' shapes."""
+    most recompile_limit times: the graphs of one test must not add up with other tests' (this module
+    alone has every layout x extension, more than the limit)."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
-def test_self_extend_without_grouped_scores_is_plain_attention_exactly(rope):
-    """Every distance below the window, or a group of 1 (grouped positions are the true ones): Self-Extend
-    is plain attention, bit for bit, in the full forward and through the cache; log-n inside the training
-    length too."""
+def test_remaps_without_far_scores_are_plain_attention_exactly(rope):
+    """Every distance below the window (the first chunk for DCA), or a group of 1 (grouped positions are
+    the true ones): a remap is plain attention, bit for bit, in the full forward and through the cache;
+    log-n inside the training length too."""
     plain = extended(ROPES[rope], ExtendConfig())
     idx = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
@@ -212,6 +351,10 @@ def test_self_extend_without_grouped_scores_is_plain_attention_exactly(rope):
             ExtendConfig(method="self_extend", window=40, group=4),
             ExtendConfig(method="self_extend", window=8, group=1),
             ExtendConfig(method="logn", original_max_len=40),
+            ExtendConfig(method="string", shift=40, local_window=4),
+            ExtendConfig(method="dca", chunk=48, local_window=8),
+            ExtendConfig(method="rerope", local_window=40),
+            ExtendConfig(method="leaky_rerope", local_window=40),
         ):
             plain.use_positions(extend=extend)
             assert torch.equal(plain(idx), expected)
@@ -283,13 +426,14 @@ def test_compiled_decode_equals_eager(extend):
         assert seq[0, len(prompt) :].tolist() == tokens
 
 
-def test_training_backpropagates_through_the_merge_with_and_without_kernels():
-    """Self-Extend in a training config: the merged attention is differentiable, and the kernels'
-    RoPE rotates the grouped positions as the plain one does (same loss and gradients)."""
+@pytest.mark.parametrize("extend", REMAPS)
+def test_training_backpropagates_through_the_merge_with_and_without_kernels(extend):
+    """A remap in a training config: the merged attention is differentiable, and the kernels'
+    RoPE rotates the far positions as the plain one does (same loss and gradients)."""
     idx, targets = torch.randint(0, 97, (2, L)), torch.randint(0, 97, (2, L))
     results = []
     for kernels in (False, True):
-        model = use_kernels(extended(ROPES["yarn"], EXTENDS["self_extend"]).train(), kernels)
+        model = use_kernels(extended(ROPES["yarn"], EXTENDS[extend]).train(), kernels)
         loss = model(idx, targets=targets)
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
@@ -316,17 +460,23 @@ def test_logn_scales_the_queries_by_the_closed_form():
         torch.testing.assert_close(attn(x, model.rope, positions, None, None), expected, atol=1e-6, rtol=0)
 
 
-def test_self_extend_cache_keeps_both_rotations_and_counts_them():
-    model = extended(ROPES["none"], EXTENDS["self_extend"])
+@pytest.mark.parametrize("extend", REMAPS)
+def test_remap_cache_keeps_each_maps_keys_and_counts_them(extend):
+    """Slot positions for every remap; a second key buffer for every far key map but STRING's (the
+    identity), so STRING's cache is the plain one plus positions."""
+    model = extended(ROPES["none"], EXTENDS[extend])
     cache = KVCache.for_model(model, 2, 50)
     plain = KVCache.for_model(extended(ROPES["none"], ExtendConfig()), 2, 50)
-    assert plain.k_grouped is None and plain.slot_positions is None
+    assert plain.k_far is None and plain.slot_positions is None
+    assert (cache.k_far is None) == (extend == "string")
     assert cache.nbytes == KVCache.bytes_for_model(model.config, 2, 50, torch.float32) - 8 * 50
-    assert cache.nbytes == plain.nbytes * 3 // 2 + cache.slot_positions.nbytes
-    with pytest.raises(
-        ValueError, match="This KV cache holds no Self-Extend keys; build it with KVCache.for_model"
-    ):
+    buffers = 2 if extend == "string" else 3
+    assert cache.nbytes == plain.nbytes * buffers // 2 + cache.slot_positions.nbytes
+    with pytest.raises(ValueError) as e:
         model(torch.zeros(2, 3, dtype=torch.long), kv_cache=plain)
+    assert str(e.value) == (
+        f"This KV cache holds no keys for extend={extend}; build it with KVCache.for_model after use_positions."
+    )
 
 
 def test_old_configs_load_without_an_extension():
@@ -344,15 +494,26 @@ def test_native_decode_refuses_an_extension():
     assert str(e.value) == "native decoding does not implement extend=self_extend; use compile=true."
 
 
+@pytest.mark.parametrize(
+    "extend, name",
+    [
+        ("logn", "log-n attention"),
+        ("string", "STRING"),
+        ("dca", "Dual Chunk Attention"),
+        ("rerope", "ReRoPE"),
+        ("leaky_rerope", "leaky ReRoPE"),
+        ("self_extend", "Self-Extend"),
+    ],
+)
 @pytest.mark.parametrize("target", ["hf", "gguf"])
-def test_export_refuses_an_extension(target, tmp_path):
+def test_export_refuses_an_extension(target, extend, name, tmp_path):
     """transformers' Llama and GGUF cannot express an extension: both exports refuse it, write nothing."""
     from rope_llama.cli.export_gguf import export as export_gguf
     from rope_llama.cli.export_hf import export as export_hf
 
     tok = text_tokenizer(tmp_path)
     ckpt = (
-        save_run(extended(ROPES["none"], EXTENDS["logn"], vocab_size=tok.vocab_size), tok, tmp_path / "run")
+        save_run(extended(ROPES["none"], EXTENDS[extend], vocab_size=tok.vocab_size), tok, tmp_path / "run")
         / "checkpoints"
         / "last.ckpt"
     )
@@ -363,7 +524,7 @@ def test_export_refuses_an_extension(target, tmp_path):
     with pytest.raises(ExportError) as e:
         export(ckpt, out)
     assert str(e.value) == (
-        f"extend=logn cannot be exported: {where} cannot express Self-Extend or log-n attention, "
+        f"extend={extend} cannot be exported: {where} cannot express {name}, "
         "so the exported model would compute something else."
     )
     assert not out.exists()
@@ -390,104 +551,50 @@ def test_methods_compose_a_scaling_with_an_extension():
     )
     with pytest.raises(ValueError, match="extend group must be an integer >= 1"):
         extend_of("self_extend", {"group": 0})
+    for method in ("string", "dca", "rerope", "leaky_rerope"):  # every remap composes with every scaling
+        assert split_method(f"yarn+{method}") == ("yarn", method)
+        assert extend_of(f"llama3+{method}") == ExtendConfig(
+            method=method, window=16, group=4, original_max_len=256
+        )
+        with pytest.raises(ValueError, match=f"Unknown method '{method}\\+yarn'"):
+            split_method(f"{method}+yarn")
 
 
-def test_generate_cli_scores_with_an_extension_override(tmp_path, monkeypatch, capsys):
-    """generate.py extend=self_extend extend.window=... scores what the model scores with that extension."""
+@pytest.mark.parametrize(
+    "extend, options",
+    [
+        ("self_extend", {"window": 8, "group": 4}),
+        ("string", {"shift": 12, "local_window": 4}),
+        ("dca", {}),  # the defaults from L0 = 32: chunk 24, local window 4
+        ("rerope", {}),
+        ("leaky_rerope", {"leak": 4.0}),
+    ],
+)
+def test_generate_cli_scores_with_an_extension_override(extend, options, tmp_path, monkeypatch, capsys):
+    """generate.py extend=<method> extend.<field>=... scores what the model scores with that extension."""
     tok = text_tokenizer(tmp_path)
     model = extended(ROPES["none"], ExtendConfig(), vocab_size=tok.vocab_size)
     run = save_run(model, tok, tmp_path / "run")
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT * 3)
     args = [f"ckpt={run}", "mode=score", f"text_file={text_file}", "chunk=16"]
-    code, out, _ = run_generate_main(
-        args + ["extend=self_extend", "extend.window=8", "extend.group=4"], monkeypatch, capsys
-    )
-    model.use_positions(extend=ExtendConfig(method="self_extend", window=8, group=4, original_max_len=L0))
+    overrides = [f"extend={extend}", *(f"extend.{k}={v}" for k, v in options.items())]
+    code, out, _ = run_generate_main(args + overrides, monkeypatch, capsys)
+    model.use_positions(extend=ExtendConfig(method=extend, original_max_len=L0, **options))
     losses = score_tokens(model, torch.tensor([tok.bos_id, *tok.encode(TEXT * 3)]), chunk=16)
     overall = next(line for line in out.splitlines() if line.strip().startswith("overall"))
     assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
-    code, _, err = run_generate_main(args + ["extend=self_extend", "extend.group=0"], monkeypatch, capsys)
+    code, _, err = run_generate_main(args + [f"extend={extend}", "extend.group=0"], monkeypatch, capsys)
     assert code == 2 and "extend group must be an integer >= 1 (a group size), got 0." in err
 
 
-# ----------------------------------------------------------------------------- the blocked kernel
-
-
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("cached", [0, 3, 6, 7, 20])  # slots before the queries: none, < W, = W, > W
-@pytest.mark.parametrize("queries", [1, 9, 31])
-def test_blocked_self_extend_equals_the_merged_attention(cached, queries, dtype, atol):
-    """kernels/self_extend.py's flash passes merged by log-sum-exp equal `merged_attention` over the
-    band mask, for queries in the last L of S slots, blocks that do not divide L, and grouped heads."""
-    window, S = 6, cached + queries
-    torch.manual_seed(cached * 100 + queries)
-    q, q_grouped = (torch.randn(2, 4, queries, 8, dtype=dtype) for _ in range(2))
-    k, k_grouped, v = (torch.randn(2, 2, S, 8, dtype=dtype) for _ in range(3))
-    slots = torch.arange(S)
-    near = neighbour_mask(slots[cached:], slots, window)[None, None]
-    mask = None if cached == 0 else (slots[None] <= slots[cached:, None])[None, None]
-    expected = merged_attention(q, k, q_grouped, k_grouped, v, near, mask)
-    got = self_extend_attention(q, k, q_grouped, k_grouped, v, window, block=4)
-    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
-
-
-@pytest.mark.parametrize("rope", list(ROPES))  # every scaling, and the interleaved layout
-def test_kernel_model_equals_the_plain_merge_in_every_path(rope, monkeypatch):
-    """use_kernels: the full forward, a chunked prefill and decode steps after it equal the plain model
-    (atol 1e-5), and the blocked kernel did run for the consecutive forwards, not for a padded one."""
-    calls = []
-    real = kernel_attention.self_extend_attention
-    monkeypatch.setattr(kernel_attention, "self_extend_attention", lambda *a: calls.append(1) or real(*a))
-    plain = extended(ROPES[rope], EXTENDS["self_extend"])
-    fast = use_kernels(extended(ROPES[rope], EXTENDS["self_extend"]))
-    idx = torch.randint(0, 97, (2, L))
-    positions = torch.arange(100, 100 + L)
-    with torch.no_grad():
-        torch.testing.assert_close(
-            fast(idx, position_ids=positions), plain(idx, position_ids=positions), atol=1e-5, rtol=0
-        )
-        assert calls, "the blocked kernel did not run"
-        outputs = []
-        for model in (plain, fast):
-            cache = KVCache.for_model(model, 2, L, seq_len=100 + L)
-            prefill = L - 4  # uneven chunks, then one token at a time
-            out = [
-                model(
-                    idx[:, s : min(s + 17, prefill)],
-                    position_ids=positions[s : min(s + 17, prefill)],
-                    kv_cache=cache,
-                )
-                for s in range(0, prefill, 17)
-            ]
-            out += [
-                model(idx[:, t : t + 1], position_ids=positions[t : t + 1], kv_cache=cache)
-                for t in range(L - 4, L)
-            ]
-            outputs.append(torch.cat(out, 1))
-        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
-        calls.clear()
-        cache = KVCache.for_model(fast, 1, L, seq_len=100 + L)
-        cache.key_mask = torch.arange(L)[None] >= 2  # left padding: the positions are not one run
-        fast(idx[:1], position_ids=positions, kv_cache=cache)
-        assert not calls
-
-
-def test_fused_token_losses_equal_the_plain_head():
-    """Scoring through the kernels' head (chunked log-sum-exp, no logits tensor) equals the plain
-    per-token cross-entropy (atol 1e-5, fp32), with and without the cache, and last_only gives the last
-    row of the full logits."""
-    plain = extended(ROPES["yarn"], ExtendConfig())
-    fast = use_kernels(extended(ROPES["yarn"], ExtendConfig()))
-    idx = torch.randint(0, 97, (3, 700))  # more rows than one chunk of the head
-    with torch.no_grad():
-        logits = plain(idx[:, :-1])
-        expected = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten(), reduction="none").view(3, -1)
-        for model in (plain, fast):
-            torch.testing.assert_close(
-                model(idx[:, :-1], targets=idx[:, 1:], reduction="none"), expected, atol=1e-5, rtol=0
-            )
-            torch.testing.assert_close(score_tokens(model, idx, chunk=256), expected, atol=1e-5, rtol=0)
-        torch.testing.assert_close(fast(idx[:, :-1], last_only=True), logits[:, -1:], atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="reduction must be mean, or none without target_weights"):
-        plain(idx[:, :-1], targets=idx[:, 1:], reduction="sum")
+def test_generate_cli_refuses_a_remap_that_cannot_work(tmp_path, monkeypatch, capsys):
+    """generate.py extend=dca with its local window as large as its chunk: exit 2, one sentence."""
+    tok = text_tokenizer(tmp_path)
+    run = save_run(extended(ROPES["none"], ExtendConfig(), vocab_size=tok.vocab_size), tok, tmp_path / "run")
+    args = [f"ckpt={run}", "prompt=ROMEO:", "extend=dca", "extend.chunk=16", "extend.local_window=16"]
+    code, _, err = run_generate_main(args, monkeypatch, capsys)
+    message = (
+        "extend local_window must be an integer in [1, 15] (below the chunk, 16) for extend=dca, got 16."
+    )
+    assert code == 2 and message in err

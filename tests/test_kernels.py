@@ -11,15 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rope_llama.inference.generation import score_tokens
 from rope_llama.kernels import KERNELS, use_kernels
+from rope_llama.kernels import attention as kernel_attention
 from rope_llama.kernels.loss import linear_cross_entropy
+from rope_llama.kernels.remap import remap_attention
 from rope_llama.kernels.rms_norm import KernelRMSNorm
 from rope_llama.kernels.rope import _broadcasts_into
 from rope_llama.kernels.rope import apply_rotary as kernel_apply_rotary
 from rope_llama.kernels.swiglu import silu_mul
 from rope_llama.model.config import ModelConfig
+from rope_llama.model.extend import ExtendConfig, merged_attention, regions
+from rope_llama.model.kv_cache import KVCache
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding, apply_rotary
+from tests.helpers import ROPES
+from tests.test_extend import EXTENDS, LOOP_CONFIGS, REMAPS, L, extended
 
 pytestmark = (
     pytest.mark.hardware
@@ -413,3 +420,89 @@ def test_bench_kernels_refuses_bad_options(argv, message):
 
     with pytest.raises(SystemExit, match=re.escape(message)):
         parse(argv)
+
+
+# ----------------------------------------------------------------------------- the blocked remap kernel (model/extend.py)
+
+
+@pytest.mark.parametrize("method", list(LOOP_CONFIGS))
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cached", [0, 2, 3, 4, 20])  # slots before the queries: none, < w, = w, > w
+@pytest.mark.parametrize("queries", [1, 9, 31])
+def test_blocked_remap_equals_the_merged_attention(method, cached, queries, dtype, atol):
+    """kernels/remap.py's flash passes merged by log-sum-exp equal `merged_attention` over the regions,
+    for queries in the last L of S slots, slot 0 at position 4 (DCA's chunks of 3 then start mid-block),
+    blocks that do not divide L, and grouped heads."""
+    remap, S, start = LOOP_CONFIGS[method].remap, cached + queries, 4
+    torch.manual_seed(cached * 100 + queries)
+    q, *q_far = (torch.randn(2, 4, queries, 8, dtype=dtype) for _ in range(1 + len(remap.query_maps)))
+    k, k_far, v = (torch.randn(2, 2, S, 8, dtype=dtype) for _ in range(3))
+    k_far = None if remap.key_map is None else k_far
+    positions = torch.arange(start, start + S)
+    region = regions(remap, positions[cached:], positions)[None, None]
+    mask = None if cached == 0 else (positions[None] <= positions[cached:, None])[None, None]
+    expected = merged_attention(q, k, tuple(q_far), k_far, v, region, mask)
+    got = remap_attention(q, k, tuple(q_far), k_far, v, remap, start, block=4)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("extend", REMAPS)
+@pytest.mark.parametrize("rope", list(ROPES))  # every scaling, and the interleaved layout
+def test_kernel_model_equals_the_plain_merge_in_every_path(rope, extend, monkeypatch):
+    """use_kernels: the full forward, a chunked prefill and decode steps after it equal the plain model
+    (atol 1e-5), and the blocked kernel did run for the consecutive forwards, not for a padded one."""
+    calls = []
+    real = kernel_attention.remap_attention
+    monkeypatch.setattr(kernel_attention, "remap_attention", lambda *a: calls.append(1) or real(*a))
+    plain = extended(ROPES[rope], EXTENDS[extend])
+    fast = use_kernels(extended(ROPES[rope], EXTENDS[extend]))
+    idx = torch.randint(0, 97, (2, L))
+    positions = torch.arange(100, 100 + L)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fast(idx, position_ids=positions), plain(idx, position_ids=positions), atol=1e-5, rtol=0
+        )
+        assert calls, "the blocked kernel did not run"
+        outputs = []
+        for model in (plain, fast):
+            cache = KVCache.for_model(model, 2, L, seq_len=100 + L)
+            prefill = L - 4  # uneven chunks, then one token at a time
+            out = [
+                model(
+                    idx[:, s : min(s + 17, prefill)],
+                    position_ids=positions[s : min(s + 17, prefill)],
+                    kv_cache=cache,
+                )
+                for s in range(0, prefill, 17)
+            ]
+            out += [
+                model(idx[:, t : t + 1], position_ids=positions[t : t + 1], kv_cache=cache)
+                for t in range(L - 4, L)
+            ]
+            outputs.append(torch.cat(out, 1))
+        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
+        calls.clear()
+        cache = KVCache.for_model(fast, 1, L, seq_len=100 + L)
+        cache.key_mask = torch.arange(L)[None] >= 2  # left padding: the positions are not one run
+        fast(idx[:1], position_ids=positions, kv_cache=cache)
+        assert not calls
+
+
+def test_fused_token_losses_equal_the_plain_head():
+    """Scoring through the kernels' head (chunked log-sum-exp, no logits tensor) equals the plain
+    per-token cross-entropy (atol 1e-5, fp32), with and without the cache, and last_only gives the last
+    row of the full logits."""
+    plain = extended(ROPES["yarn"], ExtendConfig())
+    fast = use_kernels(extended(ROPES["yarn"], ExtendConfig()))
+    idx = torch.randint(0, 97, (3, 700))  # more rows than one chunk of the head
+    with torch.no_grad():
+        logits = plain(idx[:, :-1])
+        expected = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten(), reduction="none").view(3, -1)
+        for model in (plain, fast):
+            torch.testing.assert_close(
+                model(idx[:, :-1], targets=idx[:, 1:], reduction="none"), expected, atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(score_tokens(model, idx, chunk=256), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fast(idx[:, :-1], last_only=True), logits[:, -1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="reduction must be mean, or none without target_weights"):
+        plain(idx[:, :-1], targets=idx[:, 1:], reduction="sum")

@@ -67,8 +67,8 @@ def test_seen_distances_are_self_extends_merge_rule():
     d = torch.arange(0, 100)
     q = torch.full_like(d, 99)
     expected = torch.where(d < 8, d, grouped_query_positions(q, 8, 4) - grouped_key_positions(q - d, 4))
-    assert torch.equal(seen_distances(extend, 99, d), expected)
-    assert torch.equal(seen_distances(ExtendConfig(), 99, d), d)
+    assert torch.equal(seen_distances(extend, 99, d), expected.double())
+    assert torch.equal(seen_distances(ExtendConfig(), 99, d), d.double())
 
 
 def reference_probabilities(model: Llama, idx: torch.Tensor, layer: int) -> torch.Tensor:
@@ -76,8 +76,8 @@ def reference_probabilities(model: Llama, idx: torch.Tensor, layer: int) -> torc
     rule (true distance inside Self-Extend's window, grouped past it)."""
     seen = {}
 
-    def observe(_, q, k, q_grouped, k_grouped, near, mask):
-        seen.update(q=q, k=k, q_grouped=q_grouped, k_grouped=k_grouped)
+    def observe(_, q, k, q_far, k_far, region, mask):
+        seen.update(q=q, k=k, q_grouped=q_far[0] if q_far else None, k_grouped=k_far)
 
     model.blocks[layer].attn.observer = observe
     with torch.no_grad():

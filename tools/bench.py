@@ -233,7 +233,9 @@ def main(argv: list[str]) -> dict:
     progress(f"decode latency at contexts {list(args['contexts'])}")
     results["decode_latency"] = bench_decode_latency(default_cfg, args, device, llama_cpp_dir)
     gguf_workdir.cleanup()
-    progress(f"scoring {list(args['score_lengths'])} tokens, ours and transformers; Self-Extend on vs off")
+    progress(
+        f"scoring {list(args['score_lengths'])} tokens, ours and transformers; every remap vs plain attention"
+    )
     results["scoring"] = bench_scoring(default_cfg, args, model_peers, device)
     progress(f"Self-Extend on vs off at context {args['extend_context']}")
     results["self_extend"] = bench_self_extend(default_cfg, args, device)

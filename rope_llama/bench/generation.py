@@ -184,15 +184,20 @@ def bench_decode_latency(cfg: ModelConfig, args: dict, device, llama_cpp_dir: Pa
     )
 
 
-def self_extend_pair(cfg: ModelConfig, args: dict, device, dtype: torch.dtype) -> tuple[dict, ExtendConfig]:
-    """({"off": model, "on": the same weights with Self-Extend (default window and group)}, its config),
-    with the kernels installed, as inference loads models."""
+def extension_models(
+    cfg: ModelConfig, args: dict, device, dtype: torch.dtype, methods: tuple[str, ...]
+) -> tuple[dict, dict]:
+    """({"off": model, method: the same weights with that extension (its defaults, L0 = seq_len), ...},
+    {method: its ExtendConfig}), with the kernels installed, as inference loads models."""
     torch.manual_seed(args["seed"])
     off = use_kernels(Llama(cfg)).to(device).eval().to(dtype)
-    extend = ExtendConfig(method="self_extend", original_max_len=args["seq_len"])
-    on = use_kernels(Llama(replace(cfg, extend=extend))).to(device).eval().to(dtype)
-    on.load_state_dict(off.state_dict())
-    return {"off": off, "on": on}, extend
+    models, extends = {"off": off}, {}
+    for method in methods:
+        extends[method] = ExtendConfig(method=method, original_max_len=args["seq_len"])
+        model = use_kernels(Llama(replace(cfg, extend=extends[method]))).to(device).eval().to(dtype)
+        model.load_state_dict(off.state_dict())
+        models[method] = model
+    return models, extends
 
 
 @torch.inference_mode()
@@ -202,7 +207,8 @@ def bench_self_extend(cfg: ModelConfig, args: dict, device) -> dict:
     cached (the cache rewound before each, as in bench_decode_latency), with the extension off and on,
     same weights, eager and compiled decode (the C step does not implement it)."""
     ctx, steps = args["extend_context"], args["latency_steps"]
-    models, extend = self_extend_pair(cfg, args, device, compute_dtype(args, device))
+    models, extends = extension_models(cfg, args, device, compute_dtype(args, device), ("self_extend",))
+    models, extend = {"off": models["off"], "on": models["self_extend"]}, extends["self_extend"]
     prompt = torch.randint(cfg.vocab_size, (1, ctx), device=device)
     caches = {side: KVCache.for_model(m, 1, ctx + 1, seq_len=ctx + 1) for side, m in models.items()}
 

@@ -4,6 +4,7 @@ markdown tables of one run."""
 from __future__ import annotations
 
 from rope_llama.bench.time_to_quality import markdown as ttq_markdown
+from rope_llama.model.extend import EXTEND_NAMES, REMAP_METHODS
 
 TARGETS = [  # (name, description, comparison, threshold); re-set from measured limits, see docs/performance.md
     ("train_eager_vs_transformers", "training tokens/s, default shape, eager, vs transformers", ">=", 1.0),
@@ -31,7 +32,15 @@ TARGETS = [  # (name, description, comparison, threshold); re-set from measured 
     ],
     ("prefill_vs_llama_cpp", "prefill tokens/s vs llama.cpp", ">=", 1.0),
     ("prefill_vs_litgpt", "prefill tokens/s vs litgpt", ">=", 1.0),
-    ("self_extend_scoring", "scoring with Self-Extend / without, at the longest scoring length", ">=", 0.8),
+    *[  # every remap's scoring against plain attention, same weights, one interleaved run
+        (
+            f"{m}_scoring",
+            f"scoring with {EXTEND_NAMES[m]} / without, at the longest scoring length",
+            ">=",
+            0.8,
+        )
+        for m in REMAP_METHODS
+    ],
 ]
 
 
@@ -59,7 +68,7 @@ def target_values(results: dict) -> dict:
         },
         "prefill_vs_llama_cpp": results["generate"]["ratio_prefill"].get("llama.cpp"),
         "prefill_vs_litgpt": results["generate"]["ratio_prefill"].get("litgpt"),
-        "self_extend_scoring": scoring.get("self_extend", {}).get("on_over_off"),
+        **{f"{m}_scoring": scoring.get("remaps", {}).get("over_plain", {}).get(m) for m in REMAP_METHODS},
     }
 
 
@@ -164,8 +173,26 @@ def threads_markdown(t: dict) -> str:
     return "\n".join(lines)
 
 
+def remap_scoring_markdown(r: dict) -> str:
+    """Scoring tokens/s with each remap and without, and the ratio, at one length."""
+    plain = r["tokens_per_s"].get("off")
+    lines = [
+        f"| scoring {r['length']:,} tokens, fp32 | parameters | tok/s | over plain attention ({fmt(plain)} tok/s) |",
+        "|---|---|---|---|",
+    ]
+    for method, params in r["parameters"].items():
+        ratio = r["over_plain"].get(method)
+        cells = ", ".join(f"{k}={v}" for k, v in params.items())
+        lines.append(
+            f"| {method} | {cells} | {fmt(r['tokens_per_s'].get(method))} | "
+            + ("-" if ratio is None else f"{ratio:.2f}x")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def scoring_markdown(r: dict) -> str:
-    """Scoring tokens/s per dtype and length, ours against transformers, and Self-Extend on / off."""
+    """Scoring tokens/s per dtype and length, ours against transformers, and every remap against plain."""
     lines = ["| scoring (tok/s) | ours | transformers | ours / transformers |", "|---|---|---|---|"]
     for key, rates in r["tokens_per_s"].items():
         dtype, length = key.rsplit("_", 1)
@@ -175,12 +202,6 @@ def scoring_markdown(r: dict) -> str:
             + ("-" if ratio is None else f"{ratio:.2f}x")
             + " |"
         )
-    se = r["self_extend"]
-    on_off = "-" if se["on_over_off"] is None else f"{se['on_over_off']:.2f}x"
-    lines += [
-        "",
-        f"| Self-Extend scoring (W={se['window']}, G={se['group']}), {se['length']:,} tokens | off | on | on / off |",
-        "|---|---|---|---|",
-        f"| tokens/s | {fmt(se['tokens_per_s'].get('off'))} | {fmt(se['tokens_per_s'].get('on'))} | {on_off} |",
-    ]
+    if "remaps" in r:
+        lines += ["", remap_scoring_markdown(r["remaps"])]
     return "\n".join(lines)

@@ -119,8 +119,9 @@ def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:
 
 
 def extend_options(cfg: DictConfig) -> dict:
-    """`extend_options`: the extension fields (window, group) set for every method that names an
-    extension; a null one keeps the checkpoint's value; group `matched` is resolved per length."""
+    """`extend_options`: the extension fields (ExtendConfig's: window, group, shift, local_window, chunk,
+    leak) set for every method that names an extension; a null one keeps the checkpoint's value (or the
+    default derived from the training length); group `matched` is resolved per length."""
     options = OmegaConf.to_container(cfg.extend_options, resolve=True)
     return {k: v for k, v in options.items() if v is not None}
 
@@ -169,9 +170,11 @@ def print_matched_groups(cfg: DictConfig, ckpt: LoadedCheckpoint, methods: list[
 
 
 def with_largest_cache(model, cells: dict[str, MethodCell]) -> None:
-    """Give `model` the extension of `cells` whose KV cache is the largest (Self-Extend's holds a second
-    key buffer), so a memory check made before the grid counts the most any method allocates."""
-    model.use_positions(extend=max((c.extend for c in cells.values()), key=lambda e: e.self_extend))
+    """Give `model` the extension of `cells` whose KV cache is the largest (a remap's keeps slot positions,
+    and a second key buffer unless its far keys are the true ones), so a memory check made before the grid
+    counts the most any method allocates."""
+    extends = (c.extend for c in cells.values())
+    model.use_positions(extend=max(extends, key=lambda e: (e.remap is not None) + e.remaps_keys))
 
 
 def datamodule_for(cfg: DictConfig, ckpt: LoadedCheckpoint):

@@ -7,7 +7,8 @@
 
 view=rope: wavelength per rotary pair for every scaling (YaRN's and Llama-3's kept / ramped / interpolated
 pairs marked), the score of fixed q and k against m - n at three absolute offsets, RoFormer's long-term
-decay bound for each scaling and base, and the distances Self-Extend's remap makes attention use.
+decay bound for each scaling and base, and the distances each remap (Self-Extend, STRING, DCA, ReRoPE)
+makes attention use.
 view=attention: for each length and method, the model's own attention (rope_llama/viz/attention_maps.py):
 heatmaps of the chosen layers (every head, log colour), attention mass against relative distance and
 entropy against query position for every layer and head, and with needle=true a passkey prompt's needle
@@ -164,9 +165,11 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
     extends = {
         "none": ExtendConfig(),
         "self_extend": ExtendConfig("self_extend", int(cfg.window), int(cfg.group)),
+        # the other remaps at their defaults for this training length (model/extend.py)
+        **{m: ExtendConfig(m, original_max_len=L0) for m in ("string", "dca", "rerope", "leaky_rerope")},
     }
-    remaps = [
-        {"method": m, "distance": int(d), "seen": int(s)}
+    remaps = [  # integers, but for leaky ReRoPE's fractional distances
+        {"method": m, "distance": int(d), "seen": int(s) if float(s).is_integer() else round(float(s), 3)}
         for m, extend in extends.items()
         for d, s in zip(true, seen_distances(extend, query, true))
     ]

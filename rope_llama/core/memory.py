@@ -111,15 +111,17 @@ def forward_bytes(config, batch: int, tokens: int, dtype: torch.dtype, mask_keys
     attention = 3 * (config.n_heads + config.n_kv_heads) * config.head_dim
     block = 2 * config.d_model + attention + 3 * config.ffn_hidden
     per_token = block * dtype.itemsize + 4 * config.vocab_size + mask_keys * (1 + dtype.itemsize)
-    return batch * tokens * per_token + self_extend_score_bytes(config, batch, max(tokens, mask_keys), dtype)
+    return batch * tokens * per_token + remap_score_bytes(config, batch, max(tokens, mask_keys), dtype)
 
 
-def self_extend_score_bytes(config, batch: int, keys: int, dtype: torch.dtype) -> int:
-    """Self-Extend's merged attention (model/extend.py) holds one block of query rows' scores at a time:
-    SCORE_BLOCK_BYTES, or a single row when one row over `keys` keys is larger; 0 without Self-Extend."""
-    if config.extend.method != "self_extend":
+def remap_score_bytes(config, batch: int, keys: int, dtype: torch.dtype) -> int:
+    """A remap's merged attention (model/extend.py) holds one block of query rows' scores at a time:
+    SCORE_BLOCK_BYTES, or a single row when one row over `keys` keys is larger; 0 without a remap."""
+    remap = config.extend.remap
+    if remap is None:
         return 0
-    return max(score_row_bytes(batch, config.n_heads, keys, dtype.itemsize), SCORE_BLOCK_BYTES)
+    maps = 1 + len(remap.query_maps)
+    return max(score_row_bytes(batch, config.n_heads, keys, dtype.itemsize, maps), SCORE_BLOCK_BYTES)
 
 
 def new_kv_cache(model, batch_size: int, capacity: int, seq_len: int | None = None) -> KVCache:

@@ -337,7 +337,7 @@ def fixed_shape_step(
     cache `slot`, attending over every slot under the slot mask (KVCache.at_slot) -> logits (B, V).
 
     encoding: the tokens' `model.position_encoding(ids, dtype, seq_len, cache.at_slot(slot))`, ids (B, 1);
-    with Self-Extend its neighbour mask covers every slot. No Python number in it changes from step
+    with a remap its region tensor covers every slot. No Python number in it changes from step
     to step, so torch.compile builds it once per cache shape. The caller advances the cache.
     """
     write = cache.at_slot(slot)

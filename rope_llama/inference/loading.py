@@ -43,7 +43,7 @@ def load_model(
             f"note: rope base {new_rope.base} differs from the checkpoint's {loaded.config.rope.base}.",
             file=sys.stderr,
         )
-    # the fused scoring head and Self-Extend merge; model/'s plain ops stay the reference
+    # the fused scoring head and the remaps' merge; model/'s plain ops stay the reference
     use_kernels(loaded.model)
     loaded.model.to(device=torch_device, dtype=torch_dtype)
     # after the cast: RoPE frequencies stay float32 in a bf16/fp16 model

@@ -11,6 +11,7 @@ from dataclasses import asdict
 import torch
 
 from rope_llama.model.config import ModelConfig, TrainedLengths
+from rope_llama.model.extend import EXTEND_NAMES
 from rope_llama.model.rope import RopeConfig, ntk_base, rotary_dim_of
 
 
@@ -81,7 +82,8 @@ def check_expressible(cfg: ModelConfig, target: str) -> None:
     sentence: `target` (transformers' Llama, a GGUF file) has no way to express either."""
     if cfg.extend.method != "none":
         raise ExportError(
-            f"extend={cfg.extend.method} cannot be exported: {target} cannot express Self-Extend or log-n attention, "
+            f"extend={cfg.extend.method} cannot be exported: {target} cannot express "
+            f"{EXTEND_NAMES[cfg.extend.method]}, "
             "so the exported model would compute something else."
         )
     if cfg.mix_previous_tokens:

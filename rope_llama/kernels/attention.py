@@ -1,5 +1,6 @@
 """Attention whose training backward runs in fp32 on the CPU (a drop-in for `Attention.attend`), and
-whose Self-Extend merge runs as blocked flash passes (`Attention.attend_merged`, kernels/self_extend.py).
+whose remapped merge (Self-Extend, STRING, DCA, ReRoPE) runs as blocked flash passes
+(`Attention.attend_merged`, kernels/remap.py).
 
 Under CPU bf16 autocast, PyTorch's flash-attention backward is slower in bf16 than in fp32 at the
 lengths this repository trains at (measured in docs/performance.md, "Time to quality"), so when a
@@ -14,20 +15,20 @@ from __future__ import annotations
 import torch
 
 from rope_llama.kernels.autograd import backward_follows
-from rope_llama.kernels.self_extend import self_extend_attention
+from rope_llama.kernels.remap import remap_attention
 from rope_llama.model.llama import Attention
 
 
 class KernelAttention(Attention):
-    """Attention whose `attend` upcasts bf16 CPU inputs when a backward follows, and whose Self-Extend
+    """Attention whose `attend` upcasts bf16 CPU inputs when a backward follows, and whose remapped
     merge is blocked flash attention where the positions allow it: same state dict."""
 
-    def attend_merged(self, q, k, q_grouped, k_grouped, v, encoding, mask, dropout_p: float) -> torch.Tensor:
+    def attend_merged(self, q, k, q_far, k_far, v, encoding, mask, dropout_p: float) -> torch.Tensor:
         # The CPU flash kernel returns each row's log-sum-exp; no backward is defined through it here.
-        fast = encoding.window is not None and q.device.type == "cpu" and dropout_p == 0.0
+        fast = encoding.start is not None and q.device.type == "cpu" and dropout_p == 0.0
         if not fast or backward_follows(q, k, v):
-            return super().attend_merged(q, k, q_grouped, k_grouped, v, encoding, mask, dropout_p)
-        return self_extend_attention(q, k, q_grouped, k_grouped, v, encoding.window)
+            return super().attend_merged(q, k, q_far, k_far, v, encoding, mask, dropout_p)
+        return remap_attention(q, k, q_far, k_far, v, encoding.remap, encoding.start)
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not backward_follows(q, k, v):

@@ -1,11 +1,11 @@
 """Preallocated key/value cache: one (B, n_kv_heads, capacity, head_dim) buffer per layer.
 
 Cache slots are independent from RoPE positions: slot 0 may hold a token at position 10_000.
-Keys are stored after rotation, so decoding never re-rotates old keys. With Self-Extend
-(model/extend.py) a cache built for the model (`for_model`, `grouped=True`) also stores every key
-rotated at its grouped position, in a second key buffer of the same size, and each slot's position,
-which the neighbour / grouped choice reads: a key's grouped rotation never changes, so it is
-written once like the other. A model with `mix_previous_tokens` needs the ids before each new token:
+Keys are stored after rotation, so decoding never re-rotates old keys. With a remap (model/extend.py)
+a cache built for the model (`for_model`) keeps each slot's position, which the regions are read from
+(`positions=True`), and, when the far key map is not the identity (every remap but STRING,
+`far_keys=True`), every key rotated at its far position too, in a second key buffer of the same size:
+a key's far rotation never changes, so it is written once like the other. A model with `mix_previous_tokens` needs the ids before each new token:
 a cache built for it (`token_ids=True`) keeps every slot's token id, so chunked prefill, one-token
 steps and `rewind` all find a token's predecessors (and whether they are padding).
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from rope_llama.model.extend import ExtendConfig
     from rope_llama.model.llama import Llama
 
 
@@ -36,14 +37,15 @@ def cache_bytes(
     capacity: int,
     head_dim: int,
     dtype: torch.dtype,
-    grouped: bool = False,
+    positions: bool = False,
+    far_keys: bool = False,
     token_ids: bool = False,
 ) -> int:
     """Bytes of a KVCache: k and v of every layer, 2 * n_layers * (B, n_kv_heads, capacity, head_dim),
-    plus its int64 slot index; `grouped` adds the grouped keys of every layer and the (B, capacity)
-    int64 slot positions, `token_ids` the (B, capacity) int64 slot token ids."""
-    buffers = 3 if grouped else 2
-    extra = 8 * batch_size * capacity * (int(grouped) + int(token_ids))
+    plus its int64 slot index; `positions` adds the (B, capacity) int64 slot positions, `far_keys` the
+    far keys of every layer, `token_ids` the (B, capacity) int64 slot token ids."""
+    buffers = 3 if far_keys else 2
+    extra = 8 * batch_size * capacity * (int(positions) + int(token_ids))
     return (
         buffers * n_layers * batch_size * n_kv_heads * capacity * head_dim * dtype.itemsize
         + 8 * capacity
@@ -66,12 +68,13 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         seq_len: int | None = None,
-        grouped: bool = False,
+        positions: bool = False,
+        far_keys: bool = False,
         token_ids: bool = False,
     ):
         """seq_len: the sequence length RoPE is computed for during this generation (dynamic NTK's
         scale; None = the largest position seen so far), fixed so keys already cached stay consistent.
-        grouped: also keep Self-Extend's grouped keys and the slots' positions (module docstring).
+        positions: keep the slots' positions; far_keys: keep a remap's far keys (module docstring).
         token_ids: also keep each slot's token id (previous-token mixing; module docstring)."""
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be a positive number of tokens, got {capacity}.")
@@ -80,12 +83,12 @@ class KVCache:
         # where a write into a view of a shared buffer is copied whole by inductor.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.k_grouped = (
-            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if grouped else None
+        self.k_far = (
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)] if far_keys else None
         )
-        # (B, capacity) int64: the position of each slot's token (Self-Extend's distances)
+        # (B, capacity) int64: the position of each slot's token (a remap's regions)
         self.slot_positions = (
-            torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if grouped else None
+            torch.zeros(batch_size, capacity, dtype=torch.long, device=device) if positions else None
         )
         # (B, capacity) int64: the token id of each slot (the predecessor of the next slot's token)
         self.token_ids = (
@@ -109,7 +112,8 @@ class KVCache:
             device=weight.device,
             dtype=weight.dtype,
             seq_len=seq_len,
-            grouped=config.extend.self_extend,
+            positions=config.extend.remap is not None,
+            far_keys=config.extend.remaps_keys,
             token_ids=config.mix_previous_tokens > 0,
         )
 
@@ -123,7 +127,8 @@ class KVCache:
             capacity,
             config.head_dim,
             dtype,
-            config.extend.self_extend,
+            config.extend.remap is not None,
+            config.extend.remaps_keys,
             config.mix_previous_tokens > 0,
         )
 
@@ -135,15 +140,15 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
-    @property
-    def grouped(self) -> bool:
-        return self.k_grouped is not None
+    def holds(self, extend: ExtendConfig) -> bool:
+        """True when this cache keeps what the ExtendConfig `extend` reads: slot positions for a remap,
+        far keys when its far key map is not the identity."""
+        return self.slot_positions is not None and (self.k_far is not None or not extend.remaps_keys)
 
     @property
     def nbytes(self) -> int:
-        grouped = [*self.k_grouped, self.slot_positions] if self.grouped else []
-        ids = [self.token_ids] if self.token_ids is not None else []
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *grouped, *ids))
+        kept = [t for t in (*(self.k_far or ()), self.slot_positions, self.token_ids) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *kept))
 
     def reset(self) -> None:
         self.length = 0
@@ -164,21 +169,21 @@ class KVCache:
             )
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_grouped: torch.Tensor | None = None
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_far: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Write k, v (and the grouped keys of a grouped cache): (B, KV, L, D) at the next L slots;
-        return the (B, KV, S, D) keys, values and grouped keys (None without) of the S = length + L
+        """Write k, v (and the far keys of a cache that keeps them): (B, KV, L, D) at the next L slots;
+        return the (B, KV, S, D) keys, values and far keys (None without) of the S = length + L
         filled slots, to attend over."""
         start, end = self.length, self.length + k.shape[2]
         self.k[layer][:, :, start:end] = k  # in-place: no per-step allocation
         self.v[layer][:, :, start:end] = v
-        if k_grouped is None:
+        if k_far is None:
             return self.k[layer][:, :, :end], self.v[layer][:, :, :end], None
-        self.k_grouped[layer][:, :, start:end] = k_grouped
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self.k_grouped[layer][:, :, :end]
+        self.k_far[layer][:, :, start:end] = k_far
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self.k_far[layer][:, :, :end]
 
     def record_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Write the positions (L,) or (B, L) of a grouped cache's next L slots; return the (B, S)
+        """Write the positions (L,) or (B, L) of the next L slots of a cache that keeps them; return the (B, S)
         positions of the S = length + L filled slots."""
         start, end = self.length, self.length + position_ids.shape[-1]
         self.slot_positions[:, start:end] = position_ids
@@ -215,23 +220,22 @@ class SlotWrite:
     def __init__(self, cache: KVCache, slot: torch.Tensor):
         self.cache, self.slot = cache, slot
 
-    @property
-    def grouped(self) -> bool:
-        return self.cache.grouped
+    def holds(self, extend: ExtendConfig) -> bool:
+        return self.cache.holds(extend)
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_grouped: torch.Tensor | None = None
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_far: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Write k, v (and grouped keys): (B, KV, 1, D) at `slot`; return the (B, KV, capacity, D)
-        keys, values and grouped keys (None without)."""
+        """Write k, v (and far keys): (B, KV, 1, D) at `slot`; return the (B, KV, capacity, D)
+        keys, values and far keys (None without)."""
         keys, values = self.cache.k[layer], self.cache.v[layer]
         keys[:, :, self.slot] = k
         values[:, :, self.slot] = v
-        if k_grouped is None:
+        if k_far is None:
             return keys, values, None
-        grouped = self.cache.k_grouped[layer]
-        grouped[:, :, self.slot] = k_grouped
-        return keys, values, grouped
+        far = self.cache.k_far[layer]
+        far[:, :, self.slot] = k_far
+        return keys, values, far
 
     def record_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Write the positions (B, 1) of the token at `slot`; return the (B, capacity) positions."""

@@ -2,7 +2,7 @@
 
 Every attention layer uses the model's ONE RotaryEmbedding: cos/sin are gathered once per forward
 (`Llama.position_encoding`, with what a context extension of model/extend.py adds: log-n query scales,
-Self-Extend's grouped rotations and neighbour mask) and every layer rotates with them through
+a remap's far rotations and regions) and every layer rotates with them through
 `rope.rotate`, in the layout of the rope's config.
 Projections are fused (qkv, gate+up) for speed; export to Hugging Face splits them again.
 
@@ -24,11 +24,11 @@ from torch import nn
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import (
     ExtendConfig,
-    grouped_key_positions,
-    grouped_query_positions,
+    Remap,
     logn_scale,
     merged_attention,
-    neighbour_mask,
+    regions,
+    remapped_query_positions,
 )
 from rope_llama.model.kv_cache import KVCache, SlotWrite
 from rope_llama.model.rope import RopeConfig, RotaryEmbedding
@@ -46,22 +46,29 @@ class PositionEncoding(NamedTuple):
 
     cos, sin:     (L, R) or (B, L, R): the rotation at the tokens' true positions (queries and keys).
     query_scale:  logn: (L, 1) or (B, 1, L, 1), multiplies the rotated queries; else None.
-    grouped:      self_extend: (query cos, query sin, key cos, key sin), each shaped like cos, the
-                  rotations at the grouped positions; None when neither the cache nor the merge needs them.
-    near:         self_extend when some query-key distance may reach the window: (B|1, 1, L, S) bool,
-                  True where the neighbour score is used (`neighbour_mask`); None when `window` is set
-                  or attention is plain.
-    window:       self_extend as `near`, when the positions are consecutive (every key at its slot plus
-                  one offset, rows alike, no padding, L > 1): the window W. The neighbour keys are then
-                  the W slots up to each query's own, so a blocked kernel needs no (L, S) mask.
+    far_queries:  a remap (model/extend.py): ((cos, sin), ...) per far region, each shaped like cos, the
+                  queries' rotations there; None when neither the cache nor the merge needs them.
+    far_keys:     a remap whose far key map is not the identity: (cos, sin) at the far key positions.
+    region:       a remap when some pair may be far: (B|1, 1, L, S) uint8 (`regions`), the region of
+                  each pair; None when `start` is set or attention is plain.
+    remap, start: a remap as `region`, when the positions are consecutive (every key at its slot plus
+                  one offset, rows alike, no padding, L > 1): the Remap and the position of key slot 0.
+                  A blocked kernel then finds each region's key ranges with no (L, S) tensor.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     query_scale: torch.Tensor | None = None
-    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    near: torch.Tensor | None = None
-    window: int | None = None
+    far_queries: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    far_keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    region: torch.Tensor | None = None
+    remap: Remap | None = None
+    start: int | None = None
+
+    @property
+    def merged(self) -> bool:
+        """True when attention merges far scores (else every pair it scores is near)."""
+        return self.region is not None or self.start is not None
 
 
 def consecutive(positions: torch.Tensor) -> bool:
@@ -71,13 +78,13 @@ def consecutive(positions: torch.Tensor) -> bool:
     return bool((positions.diff(dim=-1) == 1).all() and (positions == positions[:1]).all())
 
 
-def merged_near(encoding: PositionEncoding, L: int, S: int, device) -> torch.Tensor:
-    """(B|1, 1, L, S) bool: where a merged attention uses the true score (`neighbour_mask`); from the
-    window when the positions are consecutive (the L queries fill the last L of the S slots)."""
-    if encoding.near is not None:
-        return encoding.near
-    slots = torch.arange(S, device=device)
-    return neighbour_mask(slots[S - L :], slots, encoding.window)[None, None]
+def merged_region(encoding: PositionEncoding, L: int, S: int, device) -> torch.Tensor:
+    """(B|1, 1, L, S) uint8: the region of each pair of a merged attention (`regions`); from the remap
+    when the positions are consecutive (the L queries fill the last L of the S slots)."""
+    if encoding.region is not None:
+        return encoding.region
+    positions = torch.arange(encoding.start, encoding.start + S, device=device)
+    return regions(encoding.remap, positions[S - L :], positions)[None, None]
 
 
 class Attention(nn.Module):
@@ -88,8 +95,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
-        # called with what this layer scores, when set (inference/attention_maps.py draws it): (layer,
-        # q, k, q_grouped, k_grouped, near, mask) as `attention_probabilities` takes them
+        # called with what this layer scores, when set (viz/attention_maps.py draws it): (layer,
+        # q, k, q_far, k_far, region, mask) as `attention_probabilities` takes them
         self.observer = None
 
     def forward(
@@ -109,31 +116,30 @@ class Attention(nn.Module):
         q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, L, D)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin, query_scale, grouped, near, window = encoding
-        q_rot, k_rot = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
-        if query_scale is not None:
-            q_rot = q_rot * query_scale
-        k_grouped = None if grouped is None else rope.rotate(k, grouped[2], grouped[3])
-        if kv_cache is not None:  # keys are cached after rotation (both rotations with Self-Extend)
-            k_rot, v, k_grouped = kv_cache.update(self.layer, k_rot, v, k_grouped)
+        q_rot, k_rot = rope.rotate(q, encoding.cos, encoding.sin), rope.rotate(k, encoding.cos, encoding.sin)
+        if encoding.query_scale is not None:
+            q_rot = q_rot * encoding.query_scale
+        k_far = None if encoding.far_keys is None else rope.rotate(k, *encoding.far_keys)
+        if kv_cache is not None:  # keys are cached after rotation (both rotations with a far key map)
+            k_rot, v, k_far = kv_cache.update(self.layer, k_rot, v, k_far)
         dropout_p = self.dropout if self.training else 0.0
-        merged = near is not None or window is not None
-        q_grouped = rope.rotate(q, grouped[0], grouped[1]) if merged else None
+        merged = encoding.merged
+        q_far = tuple(rope.rotate(q, cos, sin) for cos, sin in encoding.far_queries) if merged else ()
         if self.observer is not None:
-            near_mask = merged_near(encoding, L, k_rot.shape[2], x.device) if merged else None
-            self.observer(self.layer, q_rot, k_rot, q_grouped, k_grouped if merged else None, near_mask, mask)
+            region = merged_region(encoding, L, k_rot.shape[2], x.device) if merged else None
+            self.observer(self.layer, q_rot, k_rot, q_far, k_far if merged else None, region, mask)
         if not merged:
             is_causal = mask is None and L > 1 and k_rot.shape[2] == L
             y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
         else:
-            y = self.attend_merged(q_rot, k_rot, q_grouped, k_grouped, v, encoding, mask, dropout_p)
+            y = self.attend_merged(q_rot, k_rot, q_far, k_far, v, encoding, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
-    def attend_merged(self, q, k, q_grouped, k_grouped, v, encoding, mask, dropout_p: float) -> torch.Tensor:
-        """Self-Extend attention (`merged_attention`): q, q_grouped (B, H, L, D), k, k_grouped, v
-        (B, KV, S, D) -> (B, H, L, D); which score a pair uses is `encoding.near` (or its window)."""
-        near = merged_near(encoding, q.shape[2], k.shape[2], q.device)
-        return merged_attention(q, k, q_grouped, k_grouped, v, near, mask, dropout_p)
+    def attend_merged(self, q, k, q_far, k_far, v, encoding, mask, dropout_p: float) -> torch.Tensor:
+        """Remapped attention (`merged_attention`): q and each of q_far (B, H, L, D), k, k_far (None:
+        k), v (B, KV, S, D) -> (B, H, L, D); which score a pair uses is `encoding.region` (or its remap)."""
+        region = merged_region(encoding, q.shape[2], k.shape[2], q.device)
+        return merged_attention(q, k, q_far, k_far, v, region, mask, dropout_p)
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
         """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D)."""
@@ -347,9 +353,9 @@ class Llama(nn.Module):
 
         position_ids: (L,) or (B, L); seq_len: as in `rope.cos_sin` (None = the largest id + 1, which
         costs a host sync); default: the ids are 0..L-1 and seq_len is L, so cos/sin are a slice of the
-        table (no gather, no host sync). With Self-Extend and a cache, the tokens' positions are
-        recorded in the cache here (before any layer attends), and its grouped keys are written by
-        every forward, so a later forward whose distances reach the window finds them all.
+        table (no gather, no host sync). With a remap and a cache, the tokens' positions are recorded in
+        the cache here (before any layer attends), and its far keys are written by every forward, so a
+        later forward whose pairs reach a far region finds them all.
         """
         if default:
             cos, sin = self.rope.cos_sin(None, dtype, seq_len=seq_len, device=position_ids.device)
@@ -360,31 +366,35 @@ class Llama(nn.Module):
         if extend.logn:  # (L,) -> (L, 1), (B, L) -> (B, 1, L, 1): one scale per query row
             scale = logn_scale(position_ids, extend.original_max_len).to(dtype)[..., None]
             query_scale = scale if scale.ndim == 2 else scale[:, None]
-        if not extend.self_extend:
+        remap = extend.remap
+        if remap is None:
             return PositionEncoding(cos, sin, query_scale)
-        if kv_cache is not None and not kv_cache.grouped:
+        if kv_cache is not None and not kv_cache.holds(extend):
             raise ValueError(
-                "This KV cache holds no Self-Extend keys; build it with KVCache.for_model after use_positions."
+                f"This KV cache holds no keys for extend={extend.method}; build it with KVCache.for_model "
+                "after use_positions."
             )
-        # the grouped ids are rotated with the true ids' RoPE length (dynamic NTK's frequencies)
+        # the remapped ids are rotated with the true ids' RoPE length (dynamic NTK's frequencies)
         seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
         merge = not extend.plain_within(seq_len)
         if kv_cache is None and not merge:
             return PositionEncoding(cos, sin, query_scale)
-        query_ids = grouped_query_positions(position_ids, extend.window, extend.group)
-        key_ids = grouped_key_positions(position_ids, extend.group)
-        grouped = (
-            *self.rope.cos_sin(query_ids, dtype, seq_len=seq_len),
-            *self.rope.cos_sin(key_ids, dtype, seq_len=seq_len),
+        far_queries = tuple(
+            self.rope.cos_sin(ids, dtype, seq_len=seq_len)
+            for ids in remapped_query_positions(remap, position_ids)
         )
+        far_keys = None
+        if remap.key_map is not None:
+            far_keys = self.rope.cos_sin(remap.key_map(position_ids), dtype, seq_len=seq_len)
         query_positions = position_ids if position_ids.ndim == 2 else position_ids[None]  # (B|1, L)
         key_positions = query_positions if kv_cache is None else kv_cache.record_positions(position_ids)
         prefill = query_positions.shape[-1] > 1  # a decode step (also SlotWrite's) keeps the plain merge
         padded = prefill and kv_cache is not None and kv_cache.key_mask is not None
         if merge and prefill and not padded and consecutive(key_positions):
-            return PositionEncoding(cos, sin, query_scale, grouped, None, extend.window)
-        near = neighbour_mask(query_positions, key_positions, extend.window)[:, None] if merge else None
-        return PositionEncoding(cos, sin, query_scale, grouped, near)
+            start = int(key_positions[0, 0])
+            return PositionEncoding(cos, sin, query_scale, far_queries, far_keys, None, remap, start)
+        region = regions(remap, query_positions, key_positions)[:, None] if merge else None
+        return PositionEncoding(cos, sin, query_scale, far_queries, far_keys, region)
 
     def hidden_states(
         self,

@@ -410,7 +410,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather cos and sin for `position_ids`, cast to `dtype`.
 
-        position_ids: None (then 0..seq_len-1), (L,) or (B, L) integer tensor.
+        position_ids: None (then 0..seq_len-1), (L,) or (B, L) integer tensor, or floating for
+            fractional positions (leaky ReRoPE's, model/extend.py), computed for exactly those ids.
         seq_len: exclusive upper bound on the positions and, for dynamic NTK, the total length
             the frequencies are scaled for (fixed for one generation so cached keys stay
             consistent). When given, the caller promises 0 <= position_ids < seq_len and no check
@@ -431,7 +432,8 @@ class RotaryEmbedding(nn.Module):
                     )
                 seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 0
         self._check_capacity(seq_len)
-        if seq_len > TABLE_MAX_POSITIONS:  # only the requested ids, never a table up to them
+        fractional = position_ids is not None and position_ids.is_floating_point()
+        if seq_len > TABLE_MAX_POSITIONS or fractional:  # only the requested ids, never a table up to them
             if position_ids is None:
                 position_ids = torch.arange(seq_len, device=device)
             cos, sin = self._cos_sin_of(position_ids, seq_len)

@@ -22,9 +22,13 @@ TRAIN, EVALUATE, RETRIEVE = (
     "rope_llama.cli.eval_extrapolation",
     "rope_llama.cli.passkey",
 )
-# RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling
-ZERO_SHOT = "[none,linear,ntk,dynamic_ntk,yarn,llama3,self_extend,logn,yarn+logn,llama3+self_extend]"
-RETRIEVAL_METHODS = "[none,ntk,dynamic_ntk,yarn,llama3,self_extend]"
+# RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling; the remaps
+# at their defaults, derived from each base's trained length
+ZERO_SHOT = (
+    "[none,linear,ntk,dynamic_ntk,yarn,llama3,self_extend,logn,yarn+logn,llama3+self_extend,"
+    "string,dca,rerope,leaky_rerope]"
+)
+RETRIEVAL_METHODS = "[none,ntk,dynamic_ntk,yarn,llama3,self_extend,string,dca,rerope,leaky_rerope]"
 
 
 SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.max_steps=20",

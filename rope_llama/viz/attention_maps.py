@@ -13,7 +13,7 @@ its last rows, where the positions past the training length are.
 
 Each layer's Attention calls its `observer` with the very queries, keys and merge rule it attends with,
 and the probabilities come from model/extend.py's `attention_probabilities`, which the merged attention
-itself reads: a map is the model's attention (Self-Extend's merged one included), not a re-derivation.
+itself reads: a map is the model's attention (a remap's merged one included), not a re-derivation.
 The rows are processed in blocks, so memory stays bounded by the block, not by L x L.
 """
 
@@ -49,7 +49,7 @@ class _Recorder:
         self.needle_mass = torch.zeros(layers, heads, dtype=torch.float64) if needle else None
         self.heatmaps: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer, q, k, q_grouped, k_grouped, near, mask) -> None:
+    def __call__(self, layer, q, k, q_far, k_far, region, mask) -> None:
         L, S = q.shape[2], k.shape[2]
         if q.shape[0] != 1 or L != self.length or S != L:
             raise ValueError("Attention maps are recorded on one whole window without a KV cache.")
@@ -57,7 +57,7 @@ class _Recorder:
         key_bins = torch.arange(L, device=q.device) * self.grid // L  # the grid cell of each key slot
         query_bins = (torch.arange(L, device=q.device) - first).clamp(min=0) * self.grid // queries
         heat = torch.zeros(q.shape[1], self.grid, self.grid, dtype=torch.float64, device=q.device)
-        for a, b, probs in attention_probabilities(q, k, q_grouped, k_grouped, near, mask, first):
+        for a, b, probs in attention_probabilities(q, k, q_far, k_far, region, mask, first):
             probs = probs.flatten(1, 2)[0].double()  # (H, b - a, end)
             end = probs.shape[-1]
             rows = torch.arange(a, b, device=q.device)

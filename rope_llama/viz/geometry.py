@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from rope_llama.model.extend import ExtendConfig, grouped_key_positions, grouped_query_positions
+from rope_llama.model.extend import ExtendConfig, remapped_distances
 from rope_llama.model.rope import (
     RopeConfig,
     RotaryEmbedding,
@@ -98,13 +98,10 @@ def decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor
 
 def seen_distances(extend: ExtendConfig, query_position: int, distances: torch.Tensor) -> torch.Tensor:
     """The relative distance attention uses for a key `d` tokens before a query at `query_position`:
-    d itself without an extension (and for log-n), Self-Extend's grouped distance past its window.
-    distances (N,) int64 -> (N,) int64."""
-    if not extend.self_extend:
-        return distances.clone()
-    query = torch.full_like(distances, query_position)
-    keys = query - distances
-    grouped = grouped_query_positions(query, extend.window, extend.group) - grouped_key_positions(
-        keys, extend.group
-    )
-    return torch.where(distances < extend.window, distances, grouped)
+    d itself without a remap (and for log-n), the remap's distance in the pair's region otherwise
+    (model/extend.py). distances (N,) int64 -> (N,) float64 (leaky ReRoPE's are fractional)."""
+    remap = extend.remap
+    if remap is None:
+        return distances.double()
+    query = torch.tensor([query_position])
+    return remapped_distances(remap, query, query - distances)[0]
