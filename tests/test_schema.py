@@ -229,13 +229,11 @@ def test_a_factor_without_a_scaling_is_refused():
 
 
 def test_a_warmup_longer_than_the_schedule_is_refused():
-    with pytest.raises(OptionError, match=r"optim.warmup_steps=50 must be less than the schedule's 50 steps"):
-        check_command("train", with_values("train", trainer__max_steps=50, optim__warmup_steps=50))
-    check_command("train", with_values("train", trainer__max_steps=51, optim__warmup_steps=50))
-    long_schedule = with_values(
-        "train", trainer__max_steps=50, optim__warmup_steps=50, optim__schedule_steps=100
-    )
-    check_command("train", long_schedule)
+    with pytest.raises(OptionError, match=r"optim.warmup_steps=51 must be at most the schedule's 50 steps"):
+        check_command("train", with_values("train", trainer__max_steps=50, optim__warmup_steps=51))
+    check_command("train", with_values("train", trainer__max_steps=50, optim__warmup_steps=50))
+    longer = with_values("train", trainer__max_steps=50, optim__warmup_steps=51, optim__schedule_steps=100)
+    check_command("train", longer)
 
 
 def test_several_nodes_need_a_cluster_launcher():

@@ -57,10 +57,16 @@ METHODS = items(TEXT, nonempty=True, unique=True)  # names: inference/evaluation
 ROPE, EXTEND = dataclass_options(RopeConfig, "rope"), dataclass_options(ExtendConfig, "extend")
 # a number as rope.factor allows it, or per length
 FACTOR = either(choice("matched"), dataclasses.replace(ROPE["rope.factor"], allow_none=False, none_means=""))
+# the evaluation scripts' extension fields for every method: ExtendConfig's, null = the checkpoint's
 EXTEND_OPTIONS = {
-    "extend_options.window": integer(minimum=1, allow_none=True, none_means="the checkpoint's"),
+    **{
+        f"extend_options.{name}": dataclasses.replace(
+            EXTEND[f"extend.{name}"], allow_none=True, none_means="the checkpoint's"
+        )
+        for name in ("window", "shift", "local_window", "chunk", "leak")
+    },
     "extend_options.group": either(
-        choice("matched"), integer(minimum=1), allow_none=True, none_means="the checkpoint's"
+        choice("matched"), EXTEND["extend.group"], allow_none=True, none_means="the checkpoint's"
     ),
     "rope_options": FREE,  # extra RoPE fields: RopeConfig checks them when each method is built
 }

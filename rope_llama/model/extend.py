@@ -156,7 +156,7 @@ class ExtendConfig:
     def __post_init__(self):
         object.__setattr__(self, "method", enum_choice(self.method, ExtendMethod, "extend method", "methods"))
         for f in fields(self):
-            if f.metadata:
+            if any(key in f.metadata for key, _, _ in BOUNDS):  # `method`'s metadata is its choices
                 optional = "None" in f.type and not (f.name == "original_max_len" and self.logn)
                 check_field(f.name, getattr(self, f.name), f.type.startswith("int"), optional, f.metadata)
         if self.method in REMAP_METHODS:
