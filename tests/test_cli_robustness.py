@@ -219,7 +219,7 @@ ROWS = [
         # study runs each step as a subprocess: the step's own error line, then the study's naming the step
         # (jobs=1: one step at a time, on the terminal; with more, the other lanes' steps would write to out)
         Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} seeds=1 smoke=true jobs=1", 2,
-            "step 'eval base_s0 on own' failed; fix it and re-run the same command to resume.", lines=2,
+            "step 'eval base_s0 on own' failed; fix it and re-run with resume=true to continue.", lines=2,
             setup="crafted pickle",
             post="marker never created, first line is the refusal, nothing written to out"),
         *([Row("export-gguf-crafted", EXPORT_GGUF, "ckpt={EVIL} out={OUT}/m.gguf", 2, "{REFUSAL}",
