@@ -76,7 +76,7 @@ def test_a_non_empty_out_needs_resume_and_a_run_directory_is_never_one(tmp_path,
     ):
         lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    with pytest.raises(ValueError, match="a run directory or checkpoints folder"):
+    with pytest.raises(ValueError, match="is inside the run directory"):
         lanes.run(config.StudyConfig(out=str(tmp_path / "run" / "study"), resume=True, jobs=1), [])
     assert commands == [] and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run"]
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]

@@ -1,7 +1,7 @@
 """Where a command may write: exports, imports and results directories (evaluation, retrieval, study,
 pictures) never write into a run directory (a folder holding checkpoints/ or .hydra/), an export never into
-a folder above the checkpoint being exported, a result never into a checkpoints folder (one holding .ckpt
-files), whatever `overwrite` says; a non-empty results directory is refused unless the command is told to
+a folder above the checkpoint being exported, results never into a folder of checkpoints (.ckpt files),
+whatever `overwrite` says; a non-empty results directory is refused unless the command is told to
 overwrite (or resume) it; and a finished directory goes into place in one rename (`staged`). The exporters,
 the importers and the scripts that write results check here."""
 
@@ -24,13 +24,9 @@ def is_run_directory(folder: Path) -> bool:
     return folder.is_dir() and any((folder / marker).is_dir() for marker in RUN_MARKERS)
 
 
-def run_directory_at_or_above(path: Path, checkpoint_files: bool = False) -> Path | None:
-    """The nearest folder at or above `path` that is a run directory, or with `checkpoint_files` also a
-    checkpoints folder (one holding .ckpt files, e.g. an import's), or None."""
-    for folder in (path, *path.parents):
-        if is_run_directory(folder) or (checkpoint_files and folder.is_dir() and any(folder.glob("*.ckpt"))):
-            return folder
-    return None
+def run_directory_at_or_above(path: Path) -> Path | None:
+    """The nearest folder at or above `path` that is a run directory, or None."""
+    return next((folder for folder in (path, *path.parents) if is_run_directory(folder)), None)
 
 
 def check_export_destination(out: Path, ckpt: Path, *, out_is_file: bool) -> None:
@@ -73,7 +69,7 @@ AGAIN = {"overwrite": "overwrite=true to replace its results", "resume": "resume
 
 def claim_results_directory(out: str | os.PathLike, switch: str, value: bool) -> Path:
     """`out` resolved (symlinks included), refused in one sentence before any work unless it is, or can be
-    created as, a directory this process can write to, outside every run directory and checkpoints folder,
+    created as, a directory this process can write to, outside every run directory, holding no checkpoints,
     and empty unless the command's `switch` (overwrite, or resume for a command that resumes) is true.
     Creates nothing: the test file in the nearest existing directory is anonymous and removed."""
     check_switch(switch, value)
@@ -82,10 +78,15 @@ def claim_results_directory(out: str | os.PathLike, switch: str, value: bool) ->
     if not existing.is_dir():
         where = "is a file" if existing == path else f"cannot be created: {existing} is a file"
         raise ValueError(f"out={out} {where}; give a directory for the results.")
-    if (run_dir := run_directory_at_or_above(existing, checkpoint_files=True)) is not None:
+    if (run_dir := run_directory_at_or_above(existing)) is not None:
         raise ValueError(
-            f"out={out} is inside {run_dir}, a run directory or checkpoints folder (it holds checkpoints/, "
-            ".hydra/ or .ckpt files); results never go there: choose a directory outside it."
+            f"out={out} is inside the run directory {run_dir} (it holds checkpoints/ or .hydra/); results "
+            "never go into a run directory: choose a directory outside it."
+        )
+    if path.is_dir() and any(path.glob("*.ckpt")):
+        raise ValueError(
+            f"out={out} holds checkpoints (.ckpt files); results never go into a checkpoints folder: "
+            "choose another directory."
         )
     if path.is_dir() and any(path.iterdir()) and not value:
         raise ValueError(f"out={out} is not empty; pass {AGAIN[switch]}, or give another out.")
