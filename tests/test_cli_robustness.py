@@ -31,6 +31,7 @@ from tests.helpers import (
     text_tokenizer,
     tiny,
     tiny_overrides,
+    tree,
 )
 
 TRAIN, GENERATE = "train.py", "generate.py"
@@ -53,8 +54,7 @@ CORRUPT_JSON = b'{"version": "1.0", "model"'  # a tokenizer.json cut off mid-fil
 class Row:
     id: str
     script: str  # the entry point, relative to the repository root
-    args: str  # space-separated; {NAME} from the row's context (`context`, SETUPS); {TINY} = a tiny training,
-    # {DATA} = the evaluation scripts' data options for the tiny corpus
+    args: str  # space-separated; {NAME} from the row's context (`context`, SETUPS); {TINY}, {DATA}: option lists
     code: int  # the expected exit status
     fragment: str  # in the last error line, or in a success row's output; {NAME} allowed, " ... " = any text
     setup: str = ""  # SETUPS to run first, comma-separated
@@ -309,12 +309,10 @@ def hf_dir(good_run, tmp_path_factory) -> Path:
 def context(tmp_path: Path, request) -> dict:
     """The placeholders every row can use; SETUPS add their own."""
     run_dir = tmp_path / "run"
-    tiny_train = tiny_overrides(tmp_path, request.getfixturevalue("corpus")) + [f"hydra.run.dir={run_dir}"]
-    data = [
-        "data=text_files",
-        f"data.source.paths=[{request.getfixturevalue('corpus')}]",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    ]  # the checkpoint's own tokenizer reads it
+    corpus = request.getfixturevalue("corpus")
+    tiny_train = tiny_overrides(tmp_path, corpus) + [f"hydra.run.dir={run_dir}"]
+    # the evaluation scripts' data: the checkpoint's own tokenizer reads the tiny corpus
+    data = ["data=text_files", f"data.source.paths=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"]
     return {"TMP": tmp_path, "RUN": request.getfixturevalue("good_run"), "OUT": tmp_path / "out",
             "RUN_DIR": run_dir, "TINY": tiny_train, "DATA": data}  # fmt: skip
 
@@ -351,12 +349,6 @@ def corrupt_tokenizer(ctx: dict, request) -> None:
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
-def tree(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (symbolic links as they are) with its bytes; None for a folder or a link."""
-    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else None
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
 
 
 def hf_copy(ctx: dict, request) -> None:

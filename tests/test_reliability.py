@@ -34,6 +34,7 @@ from tests.helpers import (
     small_corpus,
     tiny_overrides,
     train_cli,
+    tree,
 )
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -270,12 +271,6 @@ def test_a_second_process_is_refused_while_a_run_holds_its_directory(tmp_path, c
         lock.release()
     assert not lock.path.exists()
     trained_run(tmp_path, corpus, monkeypatch, capsys, "busy")  # free again
-
-
-def tree(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (symbolic links as they are) with its bytes; None for a folder or a link."""
-    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else None
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
 
 
 def test_a_link_to_a_running_runs_directory_takes_that_runs_lock(tmp_path, corpus, monkeypatch, capsys):
