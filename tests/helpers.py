@@ -102,6 +102,12 @@ def last_weights(run_dir: Path) -> dict:
     return model_state_from_checkpoint(safe_load(run_dir / "checkpoints" / "last.ckpt"))
 
 
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (symbolic links as they are) with its bytes; None for a folder or a link."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else None
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
 def text_tokenizer(folder: Path) -> Tokenizer:
     """A 300-token byte-level BPE trained on TEXT, saved as folder/tokenizer.json."""
     return train_tokenizer([TEXT] * 4, vocab_size=300, path=str(folder / "tokenizer.json"))

@@ -31,6 +31,7 @@ from tests.helpers import (
     text_tokenizer,
     tiny,
     tiny_overrides,
+    tree,
 )
 
 TRAIN, GENERATE = "train.py", "generate.py"
@@ -42,6 +43,7 @@ CLASSES = (
     "huge sizes",
     "corrupt or foreign files",
     "self-overwrite",
+    "another result",
     "crafted pickles",
     "crash",
 )
@@ -52,7 +54,7 @@ CORRUPT_JSON = b'{"version": "1.0", "model"'  # a tokenizer.json cut off mid-fil
 class Row:
     id: str
     script: str  # the entry point, relative to the repository root
-    args: str  # space-separated; {NAME} from the row's context (`context`, SETUPS); {TINY} = a tiny training
+    args: str  # space-separated; {NAME} from the row's context (`context`, SETUPS); {TINY}, {DATA}: option lists
     code: int  # the expected exit status
     fragment: str  # in the last error line, or in a success row's output; {NAME} allowed, " ... " = any text
     setup: str = ""  # SETUPS to run first, comma-separated
@@ -164,6 +166,16 @@ ROWS = [
             post="nothing written to out"),
         Row("eval-ten-billion-tokens", EVAL, "ckpt={RUN} out={OUT} lengths=[10000000000] device=cpu", 2,
             "Scoring ... 10,000,000,000 tokens ... may be used (80% of the", post="nothing written to out"),
+        Row("generate-billion-samples", GENERATE, "ckpt={RUN} prompt=ROMEO: num_samples=1000000000 max_new_tokens=4", 2,
+            "Generating 4 tokens after 1,000,000,000 prompts (1 x num_samples=1,000,000,000) ... may be used (80% of "
+            "the ... lower num_samples, max_new_tokens", post="nothing printed"),
+        Row("eval-ten-billion-resamples", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[none] n_boot=10000000000 {DATA}", 2,
+            "10,000,000,000 bootstrap resamples of ... may be used (80% of the ... lower n_boot.",
+            post="nothing written to out", lines=None),
+        # only 90,000 five-digit keys exist: drawing 99,999 decoys never ended
+        Row("passkey-more-candidates-than-keys", PASSKEY,
+            "ckpt={RUN} out={OUT} lengths=[300] depths=[0] trials=1 methods=[none] tasks=[passkey] candidates=100000", 2,
+            "99,999 distinct 5-digit keys cannot be drawn: only 90,000 exist", post="nothing written to out", lines=None),
         Row("generate-start-pos-past-2-53", GENERATE,
             "ckpt={RUN} prompt=ROMEO: start_pos=9007199254740990 max_new_tokens=4", 2,
             "is beyond 2^53 - 1, the largest position RoPE keeps exact.", post="nothing printed"),
@@ -202,6 +214,42 @@ ROWS = [
             "out={HF}/model.ckpt overlaps hf_dir={HF}, the directory being imported",
             setup="hf copy", post="hf dir unchanged"),
     ),
+    # a results directory or a run directory belongs to its command: another result is never replaced unasked
+    *rows("another result",
+        Row("eval-into-a-non-empty-out", EVAL, "ckpt={RUN} out={OUT} lengths=[32]", 2,
+            "out={OUT} is not empty; pass overwrite=true to replace its results, or give another out.",
+            setup="earlier result", post="earlier result intact"),
+        Row("passkey-into-a-non-empty-out", PASSKEY, "ckpt={RUN} out={OUT} lengths=[300]", 2,
+            "out={OUT} is not empty; pass overwrite=true to replace its results, or give another out.",
+            setup="earlier result", post="earlier result intact"),
+        Row("eval-overwrite-replaces", EVAL,
+            "ckpt={RUN} out={OUT} lengths=[32] methods=[none] n_boot=20 overwrite=true {DATA}", 0,
+            "Wrote {OUT}/results.csv", setup="earlier result", post="earlier result replaced"),
+        Row("eval-into-a-run-directory", EVAL, "ckpt={RUN} out={VICTIM} lengths=[32] overwrite=true", 2,
+            "out={VICTIM} is inside the run directory {VICTIM} (it holds checkpoints/ or .hydra/)", setup="run copy",
+            post="checkpoint still loads"),
+        Row("passkey-into-checkpoints", PASSKEY, "ckpt={RUN} out={VICTIM}/checkpoints/passkey lengths=[300]", 2,
+            "out={VICTIM}/checkpoints/passkey is inside the run directory {VICTIM}", setup="run copy",
+            post="checkpoint still loads"),
+        Row("eval-into-a-folder-of-checkpoints", EVAL, "ckpt={RUN} out={IMPORTED} lengths=[32] overwrite=true", 2,
+            "out={IMPORTED} holds checkpoints (.ckpt files); results never go into a checkpoints folder",
+            setup="imported checkpoint", post="imported checkpoint alone"),
+        Row("train-into-the-runs-folder", TRAIN, "{TINY}", 2,
+            "The run directory {RUNS} holds other runs' directories", setup="runs folder, train into runs",
+            post="runs folder unchanged"),
+        Row("train-inside-another-runs-checkpoints", TRAIN, "{TINY}", 2,
+            "The run directory {RUNS}/other/checkpoints/new is inside the run directory {RUNS}/other",
+            setup="runs folder, train into its checkpoints", post="runs folder unchanged"),
+        Row("train-link-to-a-locked-run", TRAIN, "{TINY}", 2,
+            "{RUNS}/other is in use by another training process", setup="runs folder, train into a link to it",
+            post="runs folder unchanged"),
+        Row("export-hf-overwrite-no", EXPORT_HF, "ckpt={RUN} out={OUT} overwrite=no", 2,
+            "overwrite must be true or false, got 'no'.", setup="earlier result", post="earlier result intact"),
+        Row("import-hf-into-another-runs-checkpoints", IMPORT_HF,
+            "hf_dir={HF} out={VICTIM}/checkpoints/last.ckpt overwrite=true", 2,
+            "out={VICTIM}/checkpoints/last.ckpt is inside the run directory {VICTIM}", setup="hf copy, run copy",
+            post="checkpoint still loads"),
+    ),
     # a checkpoint whose unpickling would run `touch {MARKER}`; {REFUSAL} names posix.system
     *rows("crafted pickles",
         Row("train-ckpt-path-crafted", TRAIN, "{TINY} ckpt_path={EVIL}", 2, "{REFUSAL}",
@@ -219,7 +267,7 @@ ROWS = [
         # study runs each step as a subprocess: the step's own error line, then the study's naming the step
         # (jobs=1: one step at a time, on the terminal; with more, the other lanes' steps would write to out)
         Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} seeds=1 smoke=true jobs=1", 2,
-            "step 'eval base_s0 on own' failed; fix it and re-run the same command to resume.", lines=2,
+            "step 'eval base_s0 on own' failed; fix it and re-run with resume=true to continue.", lines=2,
             setup="crafted pickle",
             post="marker never created, first line is the refusal, nothing written to out"),
         *([Row("export-gguf-crafted", EXPORT_GGUF, "ckpt={EVIL} out={OUT}/m.gguf", 2, "{REFUSAL}",
@@ -261,9 +309,12 @@ def hf_dir(good_run, tmp_path_factory) -> Path:
 def context(tmp_path: Path, request) -> dict:
     """The placeholders every row can use; SETUPS add their own."""
     run_dir = tmp_path / "run"
-    tiny_train = tiny_overrides(tmp_path, request.getfixturevalue("corpus")) + [f"hydra.run.dir={run_dir}"]
+    corpus = request.getfixturevalue("corpus")
+    tiny_train = tiny_overrides(tmp_path, corpus) + [f"hydra.run.dir={run_dir}"]
+    # the evaluation scripts' data: the checkpoint's own tokenizer reads the tiny corpus
+    data = ["data=text_files", f"data.source.paths=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"]
     return {"TMP": tmp_path, "RUN": request.getfixturevalue("good_run"), "OUT": tmp_path / "out",
-            "RUN_DIR": run_dir, "TINY": tiny_train}  # fmt: skip
+            "RUN_DIR": run_dir, "TINY": tiny_train, "DATA": data}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- setups
@@ -336,7 +387,56 @@ def corrupt_token_cache(ctx: dict, request) -> None:
     ctx["TRAIN_BIN"].write_bytes(ctx["TRAIN_BIN_DAMAGED"])
 
 
+def earlier_result(ctx: dict, request) -> None:
+    """out holding an earlier command's results (and a file of the user's)."""
+    ctx["OUT"].mkdir()
+    (ctx["OUT"] / "results.csv").write_text("the earlier run's results\n")
+    (ctx["OUT"] / "notes.txt").write_text("mine\n")
+    ctx["EARLIER"] = snapshot(ctx["OUT"])
+
+
+def runs_folder(ctx: dict, request) -> None:
+    """A folder of runs holding one run, runs/other (with a checkpoint); the tiny training goes where the
+    next setup says."""
+    ctx["RUNS"] = ctx["TMP"] / "runs"
+    (ctx["RUNS"] / "other" / "checkpoints").mkdir(parents=True)
+    (ctx["RUNS"] / "other" / "checkpoints" / "last.ckpt").write_bytes(b"the other run's checkpoint")
+    ctx["RUNS_TREE"] = tree(ctx["RUNS"])
+
+
+def train_into(where: Callable[[dict], Path]) -> Callable[[dict, pytest.FixtureRequest], None]:
+    def setup(ctx: dict, request) -> None:
+        ctx["TINY"] = [*ctx["TINY"][:-1], f"hydra.run.dir={where(ctx)}"]  # its last: hydra.run.dir
+
+    return setup
+
+
+def link_to_a_locked_run(ctx: dict) -> Path:
+    """runs/alias -> other, which a training (this test process) holds locked."""
+    from rope_llama.training.run_dir import RunLock
+
+    (ctx["RUNS"] / "alias").symlink_to("other")
+    ctx["RUNS_TREE"] = tree(ctx["RUNS"])
+    lock = RunLock(ctx["RUNS"] / "other").acquire()
+    ctx["RELEASE"] = lock.release  # before the post-conditions: the lock file goes with the lock
+    return ctx["RUNS"] / "alias"
+
+
+def imported_checkpoint(ctx: dict, request) -> None:
+    """A folder holding a checkpoint and its tokenizer, as scripts/import_gguf.py leaves it."""
+    ctx["IMPORTED"] = ctx["TMP"] / "imported"
+    ctx["IMPORTED"].mkdir()
+    shutil.copy(ctx["RUN"] / "checkpoints" / "last.ckpt", ctx["IMPORTED"] / "model.ckpt")
+    ctx["IMPORTED_FILES"] = snapshot(ctx["IMPORTED"])
+
+
 SETUPS: dict[str, Callable[[dict, pytest.FixtureRequest], None]] = {
+    "imported checkpoint": imported_checkpoint,
+    "earlier result": earlier_result,
+    "runs folder": runs_folder,
+    "train into runs": train_into(lambda ctx: ctx["RUNS"]),
+    "train into its checkpoints": train_into(lambda ctx: ctx["RUNS"] / "other" / "checkpoints" / "new"),
+    "train into a link to it": train_into(link_to_a_locked_run),
     "crafted pickle": crafted_pickle,
     "truncated checkpoint": truncated_checkpoint,
     "random-bytes checkpoint": random_bytes_checkpoint,
@@ -393,7 +493,34 @@ def token_shard_kept(ctx: dict, proc: subprocess.CompletedProcess) -> None:
     assert ctx["TRAIN_BIN"].read_bytes() == ctx["TRAIN_BIN_DAMAGED"]
 
 
+def earlier_result_intact(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert snapshot(ctx["OUT"]) == ctx["EARLIER"]
+    assert not [p for p in ctx["TMP"].iterdir() if ".tmp." in p.name]  # no staging folder left
+
+
+def earlier_result_replaced(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    """The command's own files replace their namesakes; the user's file stays."""
+    written = snapshot(ctx["OUT"])
+    assert (
+        written["results.csv"].startswith(b"method,length,factor,metric")
+        and written["notes.txt"] == b"mine\n"
+    )
+    assert {"results.md", "windows.csv", "curves.csv", "ppl_vs_length.png"} <= set(written)
+
+
+def runs_folder_unchanged(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert tree(ctx["RUNS"]) == ctx["RUNS_TREE"]
+
+
+def imported_checkpoint_alone(ctx: dict, proc: subprocess.CompletedProcess) -> None:
+    assert snapshot(ctx["IMPORTED"]) == ctx["IMPORTED_FILES"]
+
+
 POST: dict[str, Callable[[dict, subprocess.CompletedProcess], None]] = {
+    "imported checkpoint alone": imported_checkpoint_alone,
+    "earlier result intact": earlier_result_intact,
+    "earlier result replaced": earlier_result_replaced,
+    "runs folder unchanged": runs_folder_unchanged,
     "no run dir": absent("RUN_DIR"),
     "nothing written to out": absent("OUT"),
     "marker never created": absent("MARKER"),
@@ -418,7 +545,7 @@ def command_line(row: Row, ctx: dict) -> list[str]:
     """The row's arguments with placeholders filled (split first: a path never splits an argument)."""
     args = []
     for template in row.args.split():
-        args += ctx["TINY"] if template == "{TINY}" else [template.format(**ctx)]
+        args += ctx[template[1:-1]] if template in ("{TINY}", "{DATA}") else [template.format(**ctx)]
     return args
 
 
@@ -434,7 +561,10 @@ def test_entry_point(row: Row, tmp_path, request):
     ctx = context(tmp_path, request)
     for name in names(row.setup):
         SETUPS[name](ctx, request)
-    proc = run_entry_point(row.script, command_line(row, ctx))
+    try:
+        proc = run_entry_point(row.script, command_line(row, ctx))
+    finally:
+        ctx.get("RELEASE", lambda: None)()  # a lock a setup holds
     fragment = re.compile(".*".join(re.escape(part) for part in row.fragment.format(**ctx).split(" ... ")))
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if row.code == 0:

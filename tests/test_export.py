@@ -182,6 +182,65 @@ def test_overwrite_replaces_only_the_files_export_writes(tmp_path, macbeth_token
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temp dirs left behind
 
 
+def test_overwrite_no_means_no(tmp_path, macbeth_tokenizer):
+    """overwrite=no reached the exporters as a non-empty string, which meant yes: an existing export was
+    replaced. Every exporter and importer takes a real bool only."""
+    from rope_llama.cli.export_gguf import export as export_gguf
+    from rope_llama.cli.import_gguf import import_gguf
+
+    ckpt = write_checkpoint(tmp_path / "run", macbeth_tokenizer, ROPES["none"])
+    hf = export(ckpt, tmp_path / "hf")
+    files = {p.name: p.read_bytes() for p in hf.iterdir()}
+    for write in (
+        lambda: export(ckpt, hf, overwrite="no"),
+        lambda: export_gguf(ckpt, tmp_path / "m.gguf", overwrite="no"),
+        lambda: import_hf(hf, tmp_path / "m.ckpt", overwrite="no"),
+        lambda: import_gguf(tmp_path / "m.gguf", tmp_path / "imported", overwrite="no"),
+    ):
+        with pytest.raises(ValueError, match=r"^overwrite must be true or false, got 'no'\.$"):
+            write()
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+
+
+def test_import_never_writes_into_a_run_directory(tmp_path, macbeth_tokenizer):
+    """import_hf out=<run>/checkpoints/last.ckpt overwrite=true replaced that run's last.ckpt with a
+    weights-only checkpoint it cannot resume from (and its tokenizer.json beside it)."""
+    hf = export(write_checkpoint(tmp_path / "a", macbeth_tokenizer, ROPES["none"]), tmp_path / "hf")
+    run = tmp_path / "run"
+    last = write_checkpoint(run / "checkpoints", macbeth_tokenizer, ROPES["none"]).rename(
+        run / "checkpoints" / "last.ckpt"
+    )
+    before = last.read_bytes()
+    for out in (last, run / "model.ckpt", run / "checkpoints" / "sub" / "x.ckpt"):
+        with pytest.raises(ValueError, match=f"^out={out} is inside the run directory {run} "):
+            import_hf(hf, out, overwrite=True)
+    assert last.read_bytes() == before and [p.name for p in (run / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert [p.name for p in run.iterdir()] == ["checkpoints"]
+
+
+def test_a_staged_result_is_moved_in_whole_or_not_at_all(tmp_path):
+    """What every results directory is written through: a failure inside the block leaves `out` as it was
+    and no staging folder; success moves the files in, keeping the other files of a non-empty `out`."""
+    from rope_llama.interchange.destination import staged
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("earlier")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="killed"):
+        with staged(out) as folder:
+            (folder / "results.csv").write_text("half")
+            raise RuntimeError("killed")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"results.csv": "earlier", "notes.txt": "mine"}
+    with staged(out) as folder:
+        (folder / "results.csv").write_text("new")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"results.csv": "new", "notes.txt": "mine"}
+    with staged(tmp_path / "fresh") as folder:
+        (folder / "a.csv").write_text("1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "out"]  # no staging folder left
+
+
 def import_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     from rope_llama.cli.import_hf import main as import_main
 

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -138,20 +139,58 @@ def test_scoring_is_refused_with_its_knobs(model_and_run, monkeypatch):
         score_tokens(model_and_run[0], torch.zeros(10_000, dtype=torch.long), chunk=64)
 
 
+def test_bootstrap_resamples_are_refused_before_they_are_drawn(monkeypatch):
+    """n_boot=10**10 on 4 windows: an (n_boot, 4) int64 draw, once a numpy MemoryError (or the host's
+    memory); the study's paired significance resamples through the same function."""
+    from rope_llama.inference.evaluation import bootstrap_bytes, bootstrap_mean
+    from rope_llama.inference.stats import paired_bootstrap
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("the resamples were drawn before the budget check")
+
+    monkeypatch.setattr(np.random, "default_rng", no_draw)
+    pretend_available(monkeypatch, 64 * GiB)
+    with pytest.raises(MemoryBudgetError) as refusal:
+        bootstrap_mean(np.ones(4), n_boot=10**10)
+    assert str(refusal.value) == (
+        "10,000,000,000 bootstrap resamples of 4 units needs 1.1 TiB but at most 51.2 GiB may be used (80% of "
+        "the 64.0 GiB of CPU memory available); lower n_boot."
+    )
+    assert bootstrap_bytes(10**10, 4) == 24 * 10**10 * 4 + 24 * 10**10
+    with pytest.raises(MemoryBudgetError, match="of 3 units needs"):
+        paired_bootstrap(np.ones(6), np.zeros(6), clusters=[0, 0, 1, 1, 2, 2], n_boot=10**10)
+
+
 # ----------------------------------------------------------------------------- command lines
 
 
-def test_generate_refuses_a_billion_new_tokens_before_printing_or_allocating(
-    model_and_run, monkeypatch, capsys
+# num_samples: the rows (one per sample) are counted from the prompt encoded once, before a billion copies
+# and their streams exist (they once exhausted the memory before the KV cache was checked)
+HUGE_GENERATIONS = {
+    "max_new_tokens": (["max_new_tokens=1000000000"], r"1,000,000,000 tokens after 1 prompt of", "GiB", ""),
+    "num_samples": (
+        ["num_samples=1000000000", "max_new_tokens=4"],
+        r"4 tokens after 1,000,000,000 prompts \(1 x num_samples=1,000,000,000\) of",
+        "TiB",
+        "num_samples, ",
+    ),
+}
+
+
+@pytest.mark.parametrize("knob", list(HUGE_GENERATIONS))
+def test_generate_refuses_a_billion_new_tokens_or_samples_before_printing_or_allocating(
+    knob, model_and_run, monkeypatch, capsys
 ):
+    extra, what, unit, lower = HUGE_GENERATIONS[knob]
     pretend_available(monkeypatch, 64 * GiB)
-    args = [f"ckpt={model_and_run[1]}", "prompt=ROMEO:", "max_new_tokens=1000000000"]
-    code, out, err = run_generate_main(args, monkeypatch, capsys)
+    code, out, err = run_generate_main(
+        [f"ckpt={model_and_run[1]}", "prompt=ROMEO:", *extra], monkeypatch, capsys
+    )
     assert code == 2 and out == ""
     assert re.fullmatch(
-        r"error: Generating 1,000,000,000 tokens after 1 prompt of up to \d+ tokens \([\d,]+ KV cache slots\) "
-        r"needs [\d.]+ GiB but at most 51\.2 GiB may be used \(80% of the 64\.0 GiB of CPU memory available\); "
-        r"lower max_new_tokens, cache_len or the prompts\.\n",
+        rf"error: Generating {what} up to \d+ tokens \([\d,]+ KV cache slots\) needs [\d.]+ {unit} but at most "
+        r"51\.2 GiB may be used \(80% of the 64\.0 GiB of CPU memory available\); "
+        rf"lower {lower}max_new_tokens, cache_len or the prompts\.\n",
         err,
     )
 

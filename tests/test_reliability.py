@@ -34,6 +34,7 @@ from tests.helpers import (
     small_corpus,
     tiny_overrides,
     train_cli,
+    tree,
 )
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -270,6 +271,53 @@ def test_a_second_process_is_refused_while_a_run_holds_its_directory(tmp_path, c
         lock.release()
     assert not lock.path.exists()
     trained_run(tmp_path, corpus, monkeypatch, capsys, "busy")  # free again
+
+
+def test_a_link_to_a_running_runs_directory_takes_that_runs_lock(tmp_path, corpus, monkeypatch, capsys):
+    """run_name=alias, a symbolic link to runs/busy: the directory is resolved before its lock is taken, so
+    the run that holds runs/busy refuses it (the link's own lock name, .alias.lock, once let it train there)."""
+    from rope_llama.training.run_dir import RunLock
+
+    busy = tmp_path / "runs" / "busy"
+    (busy / "checkpoints").mkdir(parents=True)
+    (busy / "checkpoints" / "last.ckpt").write_bytes(b"the running run's")
+    (tmp_path / "runs" / "alias").symlink_to("busy")
+    monkeypatch.chdir(tmp_path)  # runs/ is relative to the working directory
+    before = tree(tmp_path / "runs")
+    lock = RunLock(busy).acquire()
+    try:
+        code, err = cli(tiny_overrides(tmp_path, corpus) + ["run_name=alias"], monkeypatch, capsys)
+    finally:
+        lock.release()
+    assert code == 2 and err.strip() == (
+        f"error: {busy} is in use by another training process (it holds {lock.path}); wait for it to "
+        "finish or choose another run_name."
+    )
+    assert tree(tmp_path / "runs") == before  # the lock released, nothing else added
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/new", "eval", None])
+def test_a_run_inside_another_run_or_into_the_runs_folder_is_refused(
+    inside, tmp_path, corpus, monkeypatch, capsys
+):
+    """hydra.run.dir inside another run's directory (its checkpoints/ or beside them), or the folder of runs
+    itself (None), is refused in one sentence before anything is created or written."""
+    other = tmp_path / "runs" / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "last.ckpt").write_bytes(b"the other run's")
+    run_dir = tmp_path / "runs" if inside is None else other / inside
+    before = tree(tmp_path / "runs")
+    code, err = cli(tiny_overrides(tmp_path, corpus) + [f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+    if inside is None:
+        message = (
+            f"error: The run directory {run_dir} holds other runs' directories (a folder of runs, such as "
+        )
+    else:
+        message = (
+            f"error: The run directory {run_dir} is inside the run directory {other} (it holds checkpoints/"
+        )
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert tree(tmp_path / "runs") == before and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("name", ["", "/abs/path", "a/b", "..", "-x"])

@@ -22,6 +22,7 @@ from rope_llama.inference.retrieval import (
     answer_correct,
     build_prompt,
     greedy_miss,
+    random_keys,
 )
 from tests.helpers import small_corpus
 
@@ -207,3 +208,14 @@ def test_greedy_scorer(generated, answer, correct):
 def test_greedy_miss_classes_every_wrong_answer(generated, kind):
     assert greedy_miss(generated, 71432) == kind
     assert (kind == "") == answer_correct(generated, 71432)
+
+
+def test_more_keys_than_exist_are_refused_instead_of_drawn_forever():
+    """passkey.py candidates=100000 asks for 99,999 decoys of 90,000 five-digit keys: the draw never
+    ended. Up to every key but the answer is drawn, each once."""
+    with pytest.raises(ValueError, match=r"^99,999 distinct 5-digit keys cannot be drawn: only 90,000 exist"):
+        random_keys(np.random.default_rng(0), 99_999, exclude=12345)
+    with pytest.raises(ValueError, match="candidates .* may be at most 90,000"):
+        random_keys(np.random.default_rng(0), 90_000, exclude=12345)
+    keys = random_keys(np.random.default_rng(0), 89_999, exclude=12345)
+    assert sorted(keys) == [k for k in range(10_000, 100_000) if k != 12345]

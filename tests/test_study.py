@@ -31,12 +31,12 @@ def test_study_resumes_an_interrupted_training_and_skips_a_finished_one(tmp_path
     (base / "checkpoints").mkdir(parents=True)
     (base / "checkpoints" / "last.ckpt").touch()  # written every 100 steps: not a finished training
     with pytest.raises(RuntimeError, match="step 'train base_s0' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), resume=True, jobs=1), [])
     assert commands[-1][2] == "rope_llama.cli.train" and commands[-1][-1] == "ckpt_path=last"
     assert "seed=1337" in commands[-1] and "experiment=[recall_base]" in commands[-1]  # seed 0, recipe
     (base / lanes.TRAINED).touch()  # the study's marker: base is skipped, the next step runs
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on own' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), resume=True, jobs=1), [])
 
 
 def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
@@ -56,12 +56,30 @@ def test_a_step_whose_outputs_were_cut_off_runs_again(tmp_path, monkeypatch):
     (eval_dir / "windows.csv").write_text("method,length,lo")  # truncated
     monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'eval base_s0 on kjv' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=1, jobs=1), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), resume=True, seeds=1, jobs=1), [])
     assert (
         commands[0][2] == "rope_llama.cli.eval_extrapolation" and f"out={eval_dir}" in commands[0]
-    )  # ran again
+    )  # ran again, into its own out whatever that holds (the eval refuses a non-empty out otherwise)
+    assert "overwrite=true" in commands[0]
     assert (eval_dir / lanes.DONE).read_text() == " ".join(commands[0][1:]) + "\n"
     assert not (tmp_path / "eval" / "kjv" / "base_s0" / lanes.DONE).exists()  # the failed step: no marker
+
+
+def test_a_non_empty_out_needs_resume_and_a_run_directory_is_never_one(tmp_path, monkeypatch):
+    """A study into an out that holds files (an earlier study's, or anything) starts no step unless
+    resume=true, and one inside a run directory none at all; the refusals create nothing."""
+    commands = []
+    monkeypatch.setattr(lanes.subprocess, "run", lambda command, **_: commands.append(command))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(
+        ValueError, match="is not empty; pass resume=true to continue in it, or give another out"
+    ):
+        lanes.run(config.StudyConfig(out=str(tmp_path), jobs=1), [])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="is inside the run directory"):
+        lanes.run(config.StudyConfig(out=str(tmp_path / "run" / "study"), resume=True, jobs=1), [])
+    assert commands == [] and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run"]
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
 
 
 def finished(out: Path, name: str, corpora: tuple[str, ...] = ("own", "kjv")) -> None:
@@ -90,7 +108,9 @@ def test_study_fine_tunes_keep_the_recipe(tmp_path, monkeypatch):
         finished(tmp_path, name)
     monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=1, recipe="recall_base", jobs=1), [])
+        lanes.run(
+            config.StudyConfig(out=str(tmp_path), resume=True, seeds=1, recipe="recall_base", jobs=1), []
+        )
     overrides = [c for c in commands[-1][3:] if not c.startswith(("hydra.", "init_from="))]
     assert overrides == ["experiment=[recall_base,extend_context]"]
     cfg = compose_train(overrides, tmp_path / "pi")
@@ -113,7 +133,9 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
     monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     with pytest.raises(RuntimeError, match="step 'train base_s7' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+        lanes.run(
+            config.StudyConfig(out=str(tmp_path), resume=True, seeds=[7, 3], corpora=["own"], jobs=1), []
+        )
     assert commands[-1][-3:] == ["seed=1344", "data.seed=1344", "++data.recall.seed=7"]
     for seed in (7, 3):  # both bases trained: the study goes on to the fine-tune
         (tmp_path / "runs" / f"base_s{seed}").mkdir(parents=True)
@@ -122,7 +144,9 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
         finished(tmp_path, name, corpora=("own",))
     commands.clear()
     with pytest.raises(RuntimeError, match="step 'train pi' failed"):
-        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=1), [])
+        lanes.run(
+            config.StudyConfig(out=str(tmp_path), resume=True, seeds=[7, 3], corpora=["own"], jobs=1), []
+        )
     evaluations = [
         "rope_llama.cli.eval_extrapolation",
         "rope_llama.cli.passkey",
@@ -153,7 +177,7 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
     monkeypatch.setattr(lanes.subprocess, "run", fake_run)
     monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     monkeypatch.setattr(lanes, "summarise", lambda *args: None)  # the fakes write no tables
-    lanes.run(config.StudyConfig(out=str(tmp_path), seeds=2, corpora=["own"], jobs=3), [])
+    lanes.run(config.StudyConfig(out=str(tmp_path), resume=True, seeds=2, corpora=["own"], jobs=3), [])
     starts = [e for e in events if e[0] == "start"]
     assert max(e[3] for e in starts) == 3  # three at once, never four
     # trainings (2 bases, pi, yarn, 6 PoSE, large base, randomized), evaluations, retrievals (no large base)
@@ -195,7 +219,9 @@ def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_pa
     monkeypatch.setattr(lanes, "resolve_checkpoint", lambda run_dir: run_dir / "last.ckpt")
     summarised = []
     monkeypatch.setattr(lanes, "summarise", lambda cfg, out, models, *rest: summarised.append(models))
-    cfg = config.StudyConfig(out=str(tmp_path), seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2)
+    cfg = config.StudyConfig(
+        out=str(tmp_path), resume=True, seeds=[7, 3], corpora=["own"], jobs=4, finetune_seeds=2
+    )
     lanes.run(cfg, [])
     order = [(e[0], e[2]) for e in events if e[1] == "rope_llama.cli.train"]
     pose = [f"pose{f}_{r}" for f in (4, 16) for r in ("none", "pi", "yarn")]
@@ -250,7 +276,7 @@ def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_l
     log = tmp_path / "logs" / "train_base_s0.log"
     message = rf"^step 'train base_s0' failed \('out of memory'; its output: {log}\); fix it and re-run"
     with pytest.raises(RuntimeError, match=message):
-        lanes.run(config.StudyConfig(out=str(tmp_path), seeds=2, jobs=2), [])
+        lanes.run(config.StudyConfig(out=str(tmp_path), resume=True, seeds=2, jobs=2), [])
     assert [c[2] for c in commands] in (
         ["rope_llama.cli.train"],
         ["rope_llama.cli.train"] * 2,
@@ -333,7 +359,9 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     # the best zero-shot method, pi, yarn, six PoSE fine-tunes, the large base and the randomized one
     assert len(paired) - len(base) == 2 * 4 * 11 * 10 // 2
-    again = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
+    again = subprocess.run(
+        [*command[:3], "resume=true", *command[3:]], check=True, cwd=ROOT, capture_output=True, text=True
+    )
     # resumable: every step's output exists (20 trainings, 20 models x 2 corpora evaluated, 19 retrievals)
     assert again.stdout.count("skipped") == 20 + 40 + 19
 

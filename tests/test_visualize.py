@@ -213,7 +213,7 @@ def test_outputs_are_owned_like_run_directories(tmp_path, monkeypatch):
     (tmp_path / "taken" / "mine.txt").write_text("keep")
     with pytest.raises(ValueError, match="is not empty; pass overwrite=true"):
         visualize.run(compose_viz("view=rope", f"out={tmp_path / 'taken'}"))
-    with pytest.raises(ValueError, match="run directory or inside one's checkpoints"):
+    with pytest.raises(ValueError, match="is inside the run directory"):
         visualize.run(compose_viz("view=rope", f"out={run / 'checkpoints' / 'viz'}"))
     monkeypatch.setattr(memory, "available_memory", lambda device: 2**20)  # 1 MiB free
     with pytest.raises(memory.MemoryBudgetError, match="Drawing the attention of 4,096 tokens needs"):
@@ -223,7 +223,7 @@ def test_outputs_are_owned_like_run_directories(tmp_path, monkeypatch):
             )
         )
     assert (tmp_path / "taken" / "mine.txt").read_text() == "keep" and not (tmp_path / "big").exists()
-    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # the staging folder is removed
+    assert not [p for p in tmp_path.iterdir() if ".tmp." in p.name]  # the staging folder is removed
 
 
 def test_model_config_default_is_not_touched_by_recording():

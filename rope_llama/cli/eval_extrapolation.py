@@ -38,15 +38,18 @@ from rope_llama.core.checks import check_number
 from rope_llama.inference.evaluation import (
     bootstrap_mean,
     bucket_curve,
+    check_bootstrap,
     perplexity,
     rows_per_forward,
     sliding_window_losses,
     split_windows,
+    window_counts,
     window_losses,
 )
 from rope_llama.inference.generation import check_scoring
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.reporting import fmt, write_csv
+from rope_llama.interchange.destination import staged
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -175,8 +178,9 @@ def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> N
     plt.close(fig)
 
 
-def check_options(cfg: DictConfig) -> None:
-    check_common(cfg)
+def check_options(cfg: DictConfig) -> Path:
+    """Every option, before the checkpoint load; returns the results directory."""
+    out = check_common(cfg)
     check_number("chunk", cfg.chunk, minimum=1, integer=True)
     if cfg.bootstrap not in ("window", "document"):
         raise ValueError(f"bootstrap must be window or document, got {cfg.bootstrap!r}.")
@@ -189,11 +193,12 @@ def check_options(cfg: DictConfig) -> None:
     check_number("seed", cfg.seed, minimum=0, integer=True)
     if cfg.split not in ("val", "test"):
         raise ValueError(f"split must be val or test (held-out documents), got {cfg.split!r}.")
+    return out
 
 
 @torch.inference_mode()
 def run(cfg: DictConfig) -> list[dict]:
-    check_options(cfg)
+    out = check_options(cfg)
     ckpt, _ = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     cfg = with_context_lengths(cfg, ckpt)  # "2x" = twice the checkpoint's context length
     methods = method_names(cfg.methods, ckpt)
@@ -205,10 +210,10 @@ def run(cfg: DictConfig) -> list[dict]:
         check_scoring(ckpt.model, length, cfg.chunk, knob=knob, rows=batch)
     begin(cfg, ckpt)
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
+    windows = window_counts(documents, min(cfg.lengths), cfg.max_windows)  # the most of any length
+    check_bootstrap(cfg.n_boot, len(documents) if cfg.bootstrap == "document" else sum(windows))
     rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     context_len = ckpt.context_len
     n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}
     note = (
@@ -223,15 +228,16 @@ def run(cfg: DictConfig) -> list[dict]:
         )
     )
     print(note.split("\n\n", 1)[1])
-    write_csv(out / "results.csv", rows, CSV_FIELDS)
-    write_csv(out / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
-    write_csv(out / "windows.csv", per_window)
-    (out / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
-    plot_ppl_vs_length(rows, context_len, out / "ppl_vs_length.png")
-    plot_loss_vs_position(curves, context_len, out / "loss_vs_position.png")
+    with staged(out) as folder:  # a killed or failed run leaves no half result in out
+        write_csv(folder / "results.csv", rows, CSV_FIELDS)
+        write_csv(folder / "curves.csv", curves, ["method", "length", "factor", "start", "end", "loss"])
+        write_csv(folder / "windows.csv", per_window)
+        (folder / "results.md").write_text(markdown_tables(rows, note), encoding="utf-8")
+        plot_ppl_vs_length(rows, context_len, folder / "ppl_vs_length.png")
+        plot_loss_vs_position(curves, context_len, folder / "loss_vs_position.png")
     print(markdown_tables([r for r in rows if r["metric"] == "ppl"], ""))
     print(
-        f"Wrote {out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"
+        f"Wrote {cfg.out}/results.csv, results.md, windows.csv, curves.csv, ppl_vs_length.png, loss_vs_position.png"
     )
     return rows
 

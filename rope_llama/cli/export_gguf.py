@@ -20,6 +20,7 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
 from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
+from rope_llama.core.checks import check_switch
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.destination import check_export_destination
 from rope_llama.interchange.gguf import check_dtype, gguf_writer, save
@@ -41,6 +42,7 @@ def export(
 
     Raises ValueError (one sentence) before writing anything if the model or `out` cannot be exported.
     """
+    check_switch("overwrite", overwrite)
     out = Path(out).expanduser().resolve()
     check_out(out, overwrite)
     check_dtype(dtype)
@@ -74,7 +76,7 @@ def export(
 def main(cfg: DictConfig) -> None:
     check_command("export_gguf", cfg)
     require(cfg, ("ckpt", "out"), "ckpt=<.ckpt file or run directory> out=<file.gguf>")
-    path = export(cfg.ckpt, cfg.out, dtype=str(cfg.dtype), overwrite=bool(cfg.overwrite))
+    path = export(cfg.ckpt, cfg.out, dtype=str(cfg.dtype), overwrite=cfg.overwrite)
     print(f"Exported {cfg.ckpt} to {path} ({cfg.dtype})")
 
 

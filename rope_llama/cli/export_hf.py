@@ -26,6 +26,7 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
 from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint, resolve_checkpoint
+from rope_llama.core.checks import check_switch
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.destination import check_export_destination, move_into_place
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
@@ -61,6 +62,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
 
     Raises ValueError (one sentence) before writing anything if the model or `out` cannot be exported.
     """
+    check_switch("overwrite", overwrite)
     out = Path(out).expanduser().resolve()
     check_out(out, overwrite)
     ckpt = resolve_checkpoint(ckpt)
@@ -105,7 +107,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
 def main(cfg: DictConfig) -> None:
     check_command("export_hf", cfg)
     require(cfg, ("ckpt", "out"), "ckpt=<.ckpt file or run directory> out=<directory>")
-    path = export(cfg.ckpt, cfg.out, overwrite=bool(cfg.overwrite))
+    path = export(cfg.ckpt, cfg.out, overwrite=cfg.overwrite)
     print(f"Exported {cfg.ckpt} to {path}")
 
 

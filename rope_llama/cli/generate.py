@@ -32,6 +32,7 @@ from rope_llama.inference.generation import (
     GenerationError,
     SamplingConfig,
     TextStream,
+    check_generation,
     generate,
     position_buckets,
     score_tokens,
@@ -113,8 +114,12 @@ def stop_strings(stop) -> list[str]:
 def run_sample(
     cfg: DictConfig, ckpt: LoadedCheckpoint, tok: Tokenizer, sampling: SamplingConfig, prompt_texts: list[str]
 ) -> None:
+    once = [chat_prompt(tok, t, cfg.system) if cfg.chat else tok.prompt_ids(t) for t in prompt_texts]
+    options = dict(start_pos=cfg.start_pos, cache_len=cfg.cache_len, compile=cfg.compile, native=cfg.native)
+    # num_samples rows per prompt: refused before the rows (and their streams) are made
+    check_generation(ckpt.model, once, cfg.max_new_tokens, **options, samples=cfg.num_samples)
     texts = [p for p in prompt_texts for _ in range(cfg.num_samples)]
-    prompts = [chat_prompt(tok, t, cfg.system) if cfg.chat else tok.prompt_ids(t) for t in texts]
+    prompts = [ids for ids in once for _ in range(cfg.num_samples)]  # shared lists: generate only reads
     streams = [TextStream(tok.decode, stop_strings(cfg.stop)) for _ in prompts]
     live = cfg.stream and len(prompts) == 1  # interleaving several rows on one terminal is unreadable
     # The prompt is echoed with the first new text: a refusal (options, memory, positions) prints only itself.
@@ -132,13 +137,10 @@ def run_sample(
         prompts,
         cfg.max_new_tokens,
         sampling,
-        start_pos=cfg.start_pos,
-        cache_len=cfg.cache_len,
+        **options,
         eos_id=tok.stop_ids,  # an instruct model's end of turn too
         seed=cfg.seed,
         on_token=on_token,
-        compile=cfg.compile,
-        native=cfg.native,
     )
     for row, (text, stream) in enumerate(zip(texts, streams)):
         rest = stream.finish()

@@ -26,6 +26,7 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
 from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import atomic_torch_save, atomic_write_text, load_weights, weights_checkpoint
+from rope_llama.core.checks import check_switch
 from rope_llama.data import DataError
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.interchange.destination import move_into_place, run_directory_at_or_above
@@ -55,8 +56,7 @@ def check_out(out: Path, overwrite: bool) -> None:
 def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Convert the GGUF file `gguf` into the directory `out`; returns the checkpoint's path. Raises
     ValueError (one sentence) before writing anything when the file or `out` cannot be used."""
-    if not isinstance(overwrite, bool):
-        raise ValueError(f"overwrite must be true or false, got {overwrite!r}.")
+    check_switch("overwrite", overwrite)
     source = Path(gguf).expanduser().resolve()
     if not source.is_file():
         raise ValueError(f"gguf={source} is not a file; give the path of a .gguf file.")

@@ -28,7 +28,9 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import require
 from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import atomic_torch_save, file_sha256, load_weights, weights_checkpoint
+from rope_llama.core.checks import check_switch
 from rope_llama.data.tokenizer import Tokenizer
+from rope_llama.interchange.destination import run_directory_at_or_above
 from rope_llama.interchange.hf import from_hf_state_dict, model_config_from_hf
 from rope_llama.model.llama import Llama
 
@@ -59,13 +61,19 @@ def read_safetensors(hf_dir: Path) -> dict:
 
 def check_out(out: Path, hf_dir: Path, overwrite: bool) -> None:
     """Refuse an `out` that is, lies above or inside the directory being imported (writing there could
-    replace the files being read), a directory, or an existing file unless overwriting."""
+    replace the files being read), a directory, a file inside a run directory whatever `overwrite` says, or
+    an existing file unless overwriting."""
     if out == hf_dir or out in hf_dir.parents or hf_dir in out.parents:
         raise ValueError(
             f"out={out} overlaps hf_dir={hf_dir}, the directory being imported; write the checkpoint outside it."
         )
     if out.is_dir():
         raise ValueError(f"out={out} is a directory; give the path of the .ckpt file to write.")
+    if (run_dir := run_directory_at_or_above(out.parent)) is not None:  # its checkpoints, its last.ckpt
+        raise ValueError(
+            f"out={out} is inside the run directory {run_dir} (it holds checkpoints/ or .hydra/); an import "
+            "never writes into a run directory: choose a path outside it."
+        )
     if out.exists() and not overwrite:
         raise ValueError(f"out={out} already exists; pass overwrite=true to replace it.")
 
@@ -94,6 +102,7 @@ def copy_tokenizer(tokenizer: Tokenizer, dest: Path, overwrite: bool) -> None:
 
 def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Convert the Llama directory `hf_dir` into the checkpoint `out` (+ tokenizer.json beside it)."""
+    check_switch("overwrite", overwrite)
     hf_dir, out = Path(hf_dir).expanduser().resolve(), Path(out).expanduser().resolve()
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"hf_dir={hf_dir} has no config.json; give a LlamaForCausalLM directory.")
@@ -123,7 +132,7 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overwrite: bool
 def main(cfg: DictConfig) -> None:
     check_command("import_hf", cfg)
     require(cfg, ("hf_dir", "out"), "hf_dir=<LlamaForCausalLM directory> out=<.ckpt path>")
-    path = import_hf(cfg.hf_dir, cfg.out, overwrite=bool(cfg.overwrite))
+    path = import_hf(cfg.hf_dir, cfg.out, overwrite=cfg.overwrite)
     print(f"Imported {cfg.hf_dir} to {path}")
 
 

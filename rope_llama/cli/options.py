@@ -1,10 +1,9 @@
-"""What the entry points share: option checks (missing `???` values, lists, output directories), and the
+"""What the entry points share: option checks (missing `???` values, lists, the results directory), and the
 evaluation scripts' method grid, thread and dtype report and held-out documents."""
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
@@ -18,6 +17,7 @@ from rope_llama.core.checks import check_lengths, check_number, resolve_lengths
 from rope_llama.core.precision import inference_dtype
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import CKPT_METHOD, check_method, matched_factor, method_positions
+from rope_llama.interchange.destination import claim_results_directory
 from rope_llama.model.extend import ExtendConfig, matched_group
 from rope_llama.model.rope import RopeConfig
 
@@ -38,26 +38,9 @@ def option_list(cfg: DictConfig, key: str, example: str) -> list:
     return list(cfg[key])
 
 
-def check_output_dir(path: str) -> None:
-    """One sentence unless `path` is, or can be created as, a directory this process can write to.
-    Creates nothing: the test file in the nearest existing directory is anonymous and removed."""
-    target = Path(path).absolute()
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == target else f"cannot be created: {existing} is a file"
-        raise ValueError(f"out={path} {where}; give a directory for the results.")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ValueError(
-            f"out={path} is not writable: creating a file in {existing} failed ({e.strerror}); "
-            "give another directory."
-        ) from None
-
-
-def check_common(cfg: DictConfig) -> None:
-    """Options shared by the scripts, checked before the (slow) checkpoint load."""
+def check_common(cfg: DictConfig) -> Path:
+    """Options shared by the scripts, checked before the (slow) checkpoint load; returns the results
+    directory (`claim_results_directory`)."""
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("No checkpoint given; pass ckpt=<.ckpt file or run directory>.")
     if OmegaConf.is_missing(cfg, "out"):
@@ -81,11 +64,12 @@ def check_common(cfg: DictConfig) -> None:
         replace(ExtendConfig(), **options)
     except TypeError as e:
         raise ValueError(f"Unknown extend_options {sorted(options)}: {e}.") from None
-    check_output_dir(str(cfg.out))
+    out = claim_results_directory(cfg.out, "overwrite", cfg.overwrite)
     if cfg.factor != MATCHED and not (isinstance(cfg.factor, int | float) and cfg.factor >= 1):
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     check_number("batch_tokens", cfg.batch_tokens, minimum=1, integer=True)
     check_threads(cfg.threads)
+    return out
 
 
 def begin(cfg: DictConfig, ckpt: LoadedCheckpoint) -> None:

@@ -61,6 +61,7 @@ from rope_llama.inference.retrieval import (
     random_keys,
 )
 from rope_llama.inference.stats import wilson_interval
+from rope_llama.interchange.destination import staged
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -222,7 +223,7 @@ def task_prompts(
 
 @torch.inference_mode()
 def run(cfg: DictConfig) -> list[dict]:
-    check_common(cfg)
+    out = check_common(cfg)
     check_number("trials", cfg.trials, minimum=1, integer=True)
     check_number("candidates", cfg.candidates, minimum=2, integer=True)
     check_number("max_new_tokens", cfg.max_new_tokens, minimum=1, integer=True)
@@ -265,29 +266,31 @@ def run(cfg: DictConfig) -> list[dict]:
                     }
                 )
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     pooled = trials + pooled_heldout(trials)  # the held-out families together: the headline
     cells_table = accuracy_table(pooled, ("task", "method", "length", "depth", "factor"))
     by_length = accuracy_table(pooled, ("task", "method", "length", "factor"))
-    write_csv(out / "trials.csv", trials)
-    write_csv(out / "passkey.csv", cells_table)
-    write_csv(out / "accuracy.csv", by_length)
-    chance = 1 / cfg.candidates
-    for task in [*tasks, HELDOUT] if set(HELDOUT_TASKS) & set(tasks) else tasks:
-        plot_vs_length([r for r in by_length if r["task"] == task], task, out / f"{task}_vs_length.png")
-        for method in methods:
-            cell_rows = [r for r in cells_table if r["task"] == task and r["method"] == method]
-            plot_heatmaps(cell_rows, f"{task}, {method}", chance, out / f"{task}_{method}.png")
-            misses = ", ".join(
-                f"{kind} {np.mean([r[miss_column(kind)] for r in cell_rows]):.0%}" for kind in GREEDY_MISSES
+    with staged(out) as folder:  # a killed or failed run leaves no half result in out
+        write_csv(folder / "trials.csv", trials)
+        write_csv(folder / "passkey.csv", cells_table)
+        write_csv(folder / "accuracy.csv", by_length)
+        chance = 1 / cfg.candidates
+        for task in [*tasks, HELDOUT] if set(HELDOUT_TASKS) & set(tasks) else tasks:
+            plot_vs_length(
+                [r for r in by_length if r["task"] == task], task, folder / f"{task}_vs_length.png"
             )
-            print(
-                f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%} "
-                f"(misses: {misses}), "
-                f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells, "
-                f"first-token margin {np.mean([r['first_margin_mean'] for r in cell_rows]):+.2f} nats"
-            )
+            for method in methods:
+                cell_rows = [r for r in cells_table if r["task"] == task and r["method"] == method]
+                plot_heatmaps(cell_rows, f"{task}, {method}", chance, folder / f"{task}_{method}.png")
+                misses = ", ".join(
+                    f"{kind} {np.mean([r[miss_column(kind)] for r in cell_rows]):.0%}"
+                    for kind in GREEDY_MISSES
+                )
+                print(
+                    f"{task:>8} {method:>12}: greedy {np.mean([r['greedy_acc'] for r in cell_rows]):.0%} "
+                    f"(misses: {misses}), "
+                    f"ranking {np.mean([r['rank_acc'] for r in cell_rows]):.0%} over all cells, "
+                    f"first-token margin {np.mean([r['first_margin_mean'] for r in cell_rows]):+.2f} nats"
+                )
     for row in by_length:
         if row["task"] == HELDOUT:
             print(
@@ -296,7 +299,7 @@ def run(cfg: DictConfig) -> list[dict]:
             )
     print(
         f"Chance: ranking {chance:.0%} (1 of {cfg.candidates} candidates); greedy ~0% (a 5-digit answer). "
-        f"Wrote {out}/trials.csv, passkey.csv, accuracy.csv, <task>_<method>.png, <task>_vs_length.png"
+        f"Wrote {cfg.out}/trials.csv, passkey.csv, accuracy.csv, <task>_<method>.png, <task>_vs_length.png"
     )
     return cells_table
 

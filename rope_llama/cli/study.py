@@ -4,8 +4,9 @@
     python scripts/study.py out=runs/study seeds=1 corpora=[own]
     python scripts/study.py out=/tmp/smoke smoke=true -- data.cache_dir=/tmp/cache   # minutes, tiny model
 
-Steps (each skipped when its output already exists, so a killed study resumes; a killed training
-continues from its checkpoints/last.ckpt with ckpt_path=last):
+Steps (each skipped when its output already exists, so a killed study resumes: the same command with
+resume=true, which a non-empty out needs; a killed training continues from its checkpoints/last.ckpt with
+ckpt_path=last):
   1. train `seeds` base models at max_len 256 with rope=none and the `recipe` experiment
      (recall_base: a model that retrieves)                        -> out/runs/base_s<k>
   2. evaluate every scaling method and attention extension zero-shot on each corpus

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,13 +33,14 @@ from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.cli.options import long_documents, method_grid, method_names, option_list, require
 from rope_llama.cli.schema import check_command
 from rope_llama.core.checkpoint import load_checkpoint
-from rope_llama.core.checks import check_number
+from rope_llama.core.checks import check_number, check_switch
 from rope_llama.core.memory import check_fits
 from rope_llama.core.threads import apply_threads, check_threads
 from rope_llama.inference.evaluation import check_method
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.reporting import write_csv
 from rope_llama.inference.retrieval import NEEDLE, build_prompt
+from rope_llama.interchange.destination import claim_results_directory, staged
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.rope import SCALINGS, RopeConfig, rope_frequencies
 from rope_llama.viz import plots
@@ -55,39 +55,6 @@ from rope_llama.viz.geometry import (
 
 VIEWS = ("rope", "attention")
 OFFSETS = (0, 1000, 10**6)  # absolute positions of the key in the relative-property picture
-
-
-# ----------------------------------------------------------------------------- output directory
-
-
-def prepare_out(cfg: DictConfig) -> Path:
-    """A results directory owned like a run directory: refused when it holds files (unless overwrite=true),
-    when it is a run directory or inside one's checkpoints/; results are written in a staging folder and
-    moved in at the end, so a failed run leaves nothing half-written."""
-    out = Path(cfg.out).expanduser().resolve()
-    if out.is_file():
-        raise ValueError(f"out={cfg.out} is a file; give a directory for the pictures.")
-    if any(p.name == "checkpoints" for p in (out, *out.parents)) or (out / ".hydra").exists():
-        raise ValueError(
-            f"out={cfg.out} is a run directory or inside one's checkpoints; give another directory."
-        )
-    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
-        raise ValueError(
-            f"out={cfg.out} is not empty; pass overwrite=true to replace its pictures, or another out."
-        )
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    staging.mkdir(parents=True, exist_ok=False)
-    return staging
-
-
-def publish(staging: Path, out: Path) -> list[str]:
-    """Move every file of the staging folder into `out` (each replace is atomic); the names written."""
-    out.mkdir(parents=True, exist_ok=True)
-    names = sorted(p.name for p in staging.iterdir())
-    for name in names:
-        os.replace(staging / name, out / name)
-    staging.rmdir()
-    return names
 
 
 # ----------------------------------------------------------------------------- view=rope
@@ -105,7 +72,7 @@ def rope_setting(cfg: DictConfig) -> tuple[RopeConfig, int, int]:
     return RopeConfig(base=float(cfg.base)), int(cfg.head_dim), int(cfg.training_len)
 
 
-def rope_view(cfg: DictConfig, staging: Path) -> None:
+def rope_view(cfg: DictConfig, folder: Path) -> None:
     own, head_dim, L0 = rope_setting(cfg)
     check_number("factor", cfg.factor, minimum=1)
     check_number("window", cfg.window, minimum=1, integer=True)
@@ -129,8 +96,8 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
         bands = frequency_bands(rope, head_dim, seq_len)
         for pair, (wave, band) in enumerate(zip(pair_wavelengths(rope, head_dim, seq_len).tolist(), bands)):
             wavelengths.append({"scaling": scaling, "pair": pair, "wavelength": wave, "band": band})
-    write_csv(staging / "rope_wavelengths.csv", wavelengths)
-    plots.plot_wavelengths(wavelengths, L0, factor, staging / "rope_wavelengths.png")
+    write_csv(folder / "rope_wavelengths.csv", wavelengths)
+    plots.plot_wavelengths(wavelengths, L0, factor, folder / "rope_wavelengths.png")
 
     generator = torch.Generator().manual_seed(int(cfg.seed))
     q, k = torch.randn(head_dim, generator=generator), torch.randn(head_dim, generator=generator)
@@ -141,8 +108,8 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
         for offset in OFFSETS
         for d, v in zip(distances, relative_scores(q, k, ropes[s], head_dim, distances, offset))
     ]
-    write_csv(staging / "rope_relative.csv", relative)
-    plots.plot_relative(relative, staging / "rope_relative.png")
+    write_csv(folder / "rope_relative.csv", relative)
+    plots.plot_relative(relative, folder / "rope_relative.png")
 
     far = torch.unique(torch.logspace(0, math.log10(64 * L0), 240).round().long())
     curves = {
@@ -157,8 +124,8 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
         for name, inv_freq in curves.items()
         for d, v in zip(far, decay_bound(inv_freq, far))
     ]
-    write_csv(staging / "rope_decay.csv", decay)
-    plots.plot_decay(decay, L0, staging / "rope_decay.png")
+    write_csv(folder / "rope_decay.csv", decay)
+    plots.plot_decay(decay, L0, folder / "rope_decay.png")
 
     query = 16 * L0
     true = torch.arange(0, query + 1, max(1, query // 512))
@@ -173,8 +140,8 @@ def rope_view(cfg: DictConfig, staging: Path) -> None:
         for m, extend in extends.items()
         for d, s in zip(true, seen_distances(extend, query, true))
     ]
-    write_csv(staging / "remap_distances.csv", remaps)
-    plots.plot_remaps(remaps, L0, staging / "remap_distances.png")
+    write_csv(folder / "remap_distances.csv", remaps)
+    plots.plot_remaps(remaps, L0, folder / "remap_distances.png")
 
 
 # ----------------------------------------------------------------------------- view=attention
@@ -267,7 +234,7 @@ def window_tokens(cfg: DictConfig, ckpt, tok, length: int):
     return torch.from_numpy(document[:length].astype(np.int64)), None
 
 
-def attention_view(cfg: DictConfig, staging: Path) -> None:
+def attention_view(cfg: DictConfig, folder: Path) -> None:
     if not cfg.ckpt:
         raise ValueError("view=attention needs ckpt=<.ckpt file or run directory>.")
     check_threads(cfg.threads)
@@ -324,19 +291,19 @@ def attention_view(cfg: DictConfig, staging: Path) -> None:
             marks = None if span is None else (span[0] / length, span[1] / length)
             title = f"{method}, T={length}, positions {cfg.start_pos}..{cfg.start_pos + length - 1}"
             plots.plot_heatmaps({n: h.numpy() for n, h in maps.heatmaps.items()}, title, marks,
-                                staging / f"attention_heatmap_{method}_{length}.png")  # fmt: skip
+                                folder / f"attention_heatmap_{method}_{length}.png")  # fmt: skip
     mass = [{**r, "mass": r.pop("value")} for r in distance_rows]
     entropy = [{**r, "entropy": r.pop("value")} for r in entropy_rows]
-    write_csv(staging / "attention_distance.csv", mass)
-    write_csv(staging / "attention_entropy.csv", entropy)
-    write_csv(staging / "attention_heatmap.csv", heat_rows)
+    write_csv(folder / "attention_distance.csv", mass)
+    write_csv(folder / "attention_entropy.csv", entropy)
+    write_csv(folder / "attention_heatmap.csv", heat_rows)
     plots.plot_curves(mass, "distance", "mass", "relative distance", "attention mass (mean over queries)",
-                      staging / "attention_distance.png", log_x=True, log_y=True)  # fmt: skip
+                      folder / "attention_distance.png", log_x=True, log_y=True)  # fmt: skip
     plots.plot_curves(entropy, "position", "entropy", "query position", "entropy (nats)",
-                      staging / "attention_entropy.png", log_x=False)  # fmt: skip
+                      folder / "attention_entropy.png", log_x=False)  # fmt: skip
     if needle_rows:
-        write_csv(staging / "attention_needle.csv", needle_rows)
-        plots.plot_needle(needle_rows, staging / "attention_needle.png")
+        write_csv(folder / "attention_needle.csv", needle_rows)
+        plots.plot_needle(needle_rows, folder / "attention_needle.png")
         for method in methods:
             best = max(r["needle_mass"] for r in needle_rows if r["method"] == method)
             print(f"{method:>12}: the answer token's attention on the needle, best head: {best:.1%}")
@@ -347,17 +314,12 @@ def run(cfg: DictConfig) -> list[str]:
     require(cfg, ("view", "out"), "view=rope|attention out=<directory for the pictures>")
     if cfg.view not in VIEWS:
         raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {cfg.view!r}.")
-    for switch in ("wandb", "overwrite", "needle"):
-        if not isinstance(cfg[switch], bool):
-            raise ValueError(f"{switch} must be true or false, got {cfg[switch]!r}.")
-    staging = prepare_out(cfg)
-    try:
-        (rope_view if cfg.view == "rope" else attention_view)(cfg, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    out = Path(cfg.out).expanduser().resolve()
-    names = publish(staging, out)
+    for switch in ("wandb", "needle"):
+        check_switch(switch, cfg[switch])
+    out = claim_results_directory(cfg.out, "overwrite", cfg.overwrite)
+    with staged(out) as folder:  # a failed or killed run leaves no half-drawn pictures in out
+        (rope_view if cfg.view == "rope" else attention_view)(cfg, folder)
+        names = sorted(p.name for p in folder.iterdir())
     print(f"Wrote {cfg.out}/: {', '.join(names)}", file=sys.stderr)
     if cfg.wandb:
         log_to_wandb(cfg, out, [n for n in names if n.endswith(".png")])

@@ -68,6 +68,13 @@ def check_number(
         raise error(f"{name} must be {words}, got {value!r}.")
 
 
+def check_switch(name: str, value) -> None:
+    """One sentence unless `value` is a real bool: Hydra reads true / false as one, and a string such as
+    `no` would otherwise count as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
 RELATIVE_LENGTH = re.compile(r"^(\d+(?:\.\d+)?)x$")  # "2x": twice the checkpoint's context length
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rope_llama.core.memory import new_kv_cache
+from rope_llama.core.memory import check_fits, new_kv_cache
 from rope_llama.inference.generation import GREEDY, EagerStep, left_pad, sample, score_tokens
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.context import resolve_positions
@@ -95,16 +95,19 @@ def split_windows(
     `max_windows` per document (the first ones). Returns windows (W, T + 1) int64 and the
     document index of each window (W,)."""
     windows, owners = [], []
-    for d, doc in enumerate(documents):
-        count = (len(doc) - 1) // length
-        if max_windows is not None:
-            count = min(count, max_windows)
+    for d, (doc, count) in enumerate(zip(documents, window_counts(documents, length, max_windows))):
         for k in range(count):
             windows.append(torch.from_numpy(doc[k * length : (k + 1) * length + 1].astype(np.int64)))
             owners.append(d)
     if not windows:
         return torch.empty(0, length + 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
     return torch.stack(windows), torch.tensor(owners)
+
+
+def window_counts(documents: Sequence[np.ndarray], length: int, max_windows: int | None) -> list[int]:
+    """How many windows of `length` tokens `split_windows` cuts from each document."""
+    counts = [(len(doc) - 1) // length for doc in documents]
+    return counts if max_windows is None else [min(c, max_windows) for c in counts]
 
 
 def rows_per_forward(batch_tokens: int, length: int) -> int:
@@ -176,6 +179,17 @@ def perplexity(loss: float) -> float:
     return math.exp(loss)
 
 
+def bootstrap_bytes(n_boot: int, units: int) -> int:
+    """Bytes `bootstrap_mean` allocates for `n_boot` resamples of `units` units: the (n_boot, units) int64
+    picks and the sums and counts they gather, then the replicates, their counts and percentile's copy."""
+    return 3 * 8 * n_boot * units + 3 * 8 * n_boot
+
+
+def check_bootstrap(n_boot: int, units: int) -> None:
+    """The memory budget for `n_boot` resamples of `units` units (numpy: host memory), before any is drawn."""
+    check_fits(bootstrap_bytes(n_boot, units), f"{n_boot:,} bootstrap resamples of {units:,} units", "n_boot")
+
+
 def bootstrap_mean(
     values: torch.Tensor | np.ndarray,
     groups: torch.Tensor | np.ndarray | None = None,
@@ -195,6 +209,7 @@ def bootstrap_mean(
     sums = np.array([values[labels == u].sum() for u in units])
     counts = np.array([(labels == u).sum() for u in units])
     mean = float(sums.sum() / counts.sum())
+    check_bootstrap(n_boot, len(units))
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(units), size=(n_boot, len(units)))  # (n_boot, units) resampled units
     boots = sums[picks].sum(1) / counts[picks].sum(1)

@@ -195,24 +195,28 @@ def check_generation(
     cache_len: int | None = None,
     compile: bool = False,
     native: bool = False,
+    samples: int = 1,
 ) -> int:
     """Every argument of `generate` and the memory it needs, checked before anything is allocated;
-    returns the KV cache capacity. Raises GenerationError or MemoryBudgetError (one sentence)."""
+    returns the KV cache capacity. samples: each prompt is generated that many times (generate.py's
+    num_samples, one row each), checked before the rows are made. Raises GenerationError or
+    MemoryBudgetError (one sentence)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("Every prompt needs at least one token; got an empty prompt.")
     check_number("max_new_tokens", max_new_tokens, minimum=1, integer=True, error=GenerationError)
     if compile and native:
         raise GenerationError("compile and native are two decode paths; choose one of them.")
-    n, batch = max(map(len, prompts)), len(prompts)
+    n, batch = max(map(len, prompts)), len(prompts) * samples
     capacity = cache_capacity(n, max_new_tokens, cache_len)
     check_positions(start_pos, capacity)  # every slot gets a position id (left_pad)
     padded = min(map(len, prompts)) < n
     dtype = model.embed.weight.dtype
+    rows = f" ({len(prompts)} x num_samples={samples:,})" if samples > 1 else ""
     check_fits(
         generation_bytes(model.config, batch, n, capacity, dtype, padded, native),
-        f"generating {max_new_tokens:,} tokens after {batch} prompt{'s' * (batch > 1)} of up to {n:,} tokens "
-        f"({capacity:,} KV cache slots)",
-        "max_new_tokens, cache_len or the prompts",
+        f"generating {max_new_tokens:,} tokens after {batch:,} prompt{'s' * (batch > 1)}{rows} of up to {n:,} "
+        f"tokens ({capacity:,} KV cache slots)",
+        f"{'num_samples, ' * (samples > 1)}max_new_tokens, cache_len or the prompts",
         model.embed.weight.device,
     )
     return capacity

@@ -64,13 +64,23 @@ def first_integer(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
+KEY_COUNT = 90_000  # the 5-digit keys, 10000..99999
+
+
 def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) -> list[int]:
     """`n` distinct 5-digit keys (10000..99999), none equal to `exclude`."""
-    keys: list[int] = []
+    available = KEY_COUNT - (exclude is not None)
+    if n > available:  # the draws below would never end
+        raise ValueError(
+            f"{n:,} distinct 5-digit keys cannot be drawn: only {KEY_COUNT:,} exist (10000..99999), so "
+            f"candidates (the answer and its decoys) may be at most {KEY_COUNT:,}."
+        )
+    keys, seen = [], {exclude}  # the draws' order, and a set to test them against (a list's test is O(n))
     while len(keys) < n:
         k = int(rng.integers(10_000, 100_000))
-        if k != exclude and k not in keys:
+        if k not in seen:
             keys.append(k)
+            seen.add(k)
     return keys
 
 

@@ -17,6 +17,7 @@ RANDOMIZED = "randomized"  # the randomized-positions base's run
 @dataclass
 class StudyConfig:
     out: str = "runs/study"
+    resume: bool = False  # continue the study in a non-empty out (finished steps are skipped)
     smoke: bool = False  # tiny model, few steps, short lengths: checks the pipeline in minutes
     # base models: a count n (seeds 0..n-1) or the seeds themselves, e.g. [7,10,11]; seed k trains with
     # seed=1337+k data.seed=1337+k ++data.recall.seed=k (its run: base_s<k>).

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
+from rope_llama.interchange.destination import claim_results_directory
 from rope_llama.study.config import RANDOMIZED, StudyConfig, check_config, seed_list
 from rope_llama.study.summary import summarise
 
@@ -45,6 +46,8 @@ SCALING_NAMES = {"none": "none", "linear": "pi", "yarn": "yarn"}
 SMOKE_RETRIEVAL_LENGTHS = [512, 1024]  # the prompts' fixed parts need a few hundred tokens with a tiny BPE
 TRAINED = "study_trained"  # marker file in a run directory: its training finished
 DONE = "study_done"  # marker file in an evaluation's out directory: every output of the step is written
+# an evaluation's out is the study's own: one without its marker (killed before the marker) is done again
+REDO = ["overwrite=true"]
 
 
 class Steps:
@@ -91,7 +94,9 @@ class Steps:
                 f" ({last.removeprefix('error: ')!r}; its output: {log})" if last else f" (its output: {log})"
             )
         if returncode != 0:
-            raise RuntimeError(f"step {name!r} failed{where}; fix it and re-run the same command to resume.")
+            raise RuntimeError(
+                f"step {name!r} failed{where}; fix it and re-run with resume=true to continue."
+            )
         atomic_write_text(done, " ".join(command) + "\n")
         self.say(f"{name}: finished in {(time.monotonic() - begun) / 60:.1f} min")
 
@@ -120,7 +125,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     """The whole study into cfg.out: every step not done yet, then the summary. Each step runs in this
     process's directory (relative paths in `train_extra` mean what they mean here)."""
     check_config(cfg)
-    out = Path(cfg.out).resolve()
+    out = claim_results_directory(cfg.out, "resume", cfg.resume)  # a non-empty out: only with resume=true
     lengths = SMOKE_LENGTHS if cfg.smoke else list(cfg.lengths)
     retrieval_lengths = SMOKE_RETRIEVAL_LENGTHS if cfg.smoke else list(cfg.retrieval_lengths or lengths)
     # smoke trains at max_len 32, too short for recall windows: the recipe is a full-size choice
@@ -154,7 +159,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
             steps.step(f"eval {name} on {corpus}", out / "eval" / corpus / name / DONE,
                        ["-m", EVALUATE, f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
                         f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
-                        *threads, *data])  # fmt: skip
+                        *threads, *data, *REDO])  # fmt: skip
 
     def retrieve(name: str, ckpt: Path, methods: str) -> None:
         if cfg.retrieval:
@@ -163,7 +168,7 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
             steps.step(f"retrieval {name}", out / "retrieval" / name / DONE,
                        ["-m", RETRIEVE, f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
                         f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
-                        f"lengths={as_list(retrieval_lengths)}", *options, *threads])  # fmt: skip
+                        f"lengths={as_list(retrieval_lengths)}", *options, *threads, *REDO])  # fmt: skip
 
     seeds = seed_list(cfg.seeds)
     bases = {

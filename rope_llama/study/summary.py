@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rope_llama.core.checkpoint import atomic_write_text
 from rope_llama.inference.reporting import plot_vs_length, write_csv
 from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.study.config import StudyConfig, model_and_seed
@@ -76,7 +77,7 @@ def summarise(
             rows = [r for r in accuracy if r["task"] == task]
             plot_vs_length(rows, task, out / f"retrieval_{task}.png")
             plot_vs_length(rows, task, out / f"retrieval_{task}_ranking.png", metric="ranking")
-    (out / "summary.md").write_text("\n".join(text), encoding="utf-8")
+    atomic_write_text(out / "summary.md", "\n".join(text))
     print(
         f"[study] wrote {out / 'summary.md'}, summary.png, paired_ppl.csv"
         + (", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking].png" if cfg.retrieval else "")

@@ -1,5 +1,6 @@
-"""A run directory belongs to one run: a plain name, an exclusive lock for the run's lifetime, and nothing
-written into it (Hydra's `.hydra/` included) until every check has passed.
+"""A run directory belongs to one run: a plain name, a place of its own (not inside another run's directory,
+not the folder of runs), an exclusive lock for the run's lifetime, and nothing written into it (Hydra's
+`.hydra/` included) until every check has passed.
 
 configs/train.yaml sets `hydra.output_subdir: null` and logs to stdout only, so Hydra merely creates the
 directory; `write_hydra_config` writes `.hydra/config.yaml` and `overrides.yaml` once the run is accepted.
@@ -15,6 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rope_llama.core.checkpoint import CheckpointError, atomic_write_text
+from rope_llama.interchange.destination import is_run_directory, run_directory_at_or_above
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
 # Set by torchrun, SLURM and Lightning's own launcher in every process but the first.
@@ -36,17 +38,36 @@ def is_first_process() -> bool:
     return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
 
 
+def check_run_directory(run_dir: Path) -> None:
+    """One sentence when `run_dir` (resolved) lies inside another run's directory (e.g. in its checkpoints/)
+    or holds run directories itself (the runs folder): training there would mix two runs' files."""
+    if (outer := run_directory_at_or_above(run_dir.parent)) is not None:
+        raise ValueError(
+            f"The run directory {run_dir} is inside the run directory {outer} (it holds checkpoints/ or "
+            ".hydra/); give a directory of its own, e.g. run_name=<name> for runs/<name>."
+        )
+    if run_dir.is_dir() and any(is_run_directory(child) for child in run_dir.iterdir()):
+        raise ValueError(
+            f"The run directory {run_dir} holds other runs' directories (a folder of runs, such as runs/); "
+            f"give a directory of its own, e.g. {run_dir}/<name>."
+        )
+
+
 class RunLock:
     """An exclusive, non-blocking lock on `run_dir` for this process's lifetime: a second process training
-    into the same directory is refused in one sentence. The lock file sits beside the directory (a refused
-    run must not write into it) and is removed on release."""
+    into the same directory is refused in one sentence. The directory is resolved first (a symbolic link to
+    a run's directory is that run's, and takes that run's lock) and refused in one sentence when it lies in
+    another run's directory or is a folder of runs (`check_run_directory`). The lock file sits beside the
+    directory (a refused run must not write into it) and is removed on release."""
 
     def __init__(self, run_dir: Path):
+        run_dir = Path(run_dir).resolve()
         self.path = run_dir.parent / f".{run_dir.name}.lock"
         self.run_dir = run_dir
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
+        check_run_directory(self.run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
