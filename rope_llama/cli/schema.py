@@ -213,7 +213,7 @@ GENERATE: Schema = {
     "text_file": OPTIONAL_TEXT,
     "chunk": integer(minimum=1),
 }
-EVALUATION = {**INFERENCE, **EXTEND_OPTIONS, "ckpt": TEXT, "out": TEXT, "lengths": LENGTHS, "methods": METHODS,
+EVALUATION = {**INFERENCE, **EXTEND_OPTIONS, "ckpt": TEXT, "out": TEXT, "overwrite": FLAG, "lengths": LENGTHS, "methods": METHODS,
               "factor": FACTOR, "batch_tokens": integer(minimum=1)}  # fmt: skip
 EVAL: Schema = {
     **EVALUATION,
