@@ -94,14 +94,14 @@ ROWS = [
         Row("passkey-zero-trials", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] trials=0", 2,
             "trials must be an integer >= 1, got 0.", post="nothing written to out"),
         Row("eval-extend-group-zero", EVAL, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=0", 2,
-            "extend_options.group must be matched or an integer >= 1 or null (the checkpoint's), got 0.", post="nothing written to out"),
+            "extend_options.group must be matched or an integer >= 1 (a group size) or null (the checkpoint's), got 0.", post="nothing written to out"),
         Row("passkey-extend-group-word", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] methods=[self_extend] extend_options.group=fitted", 2,
-            "extend_options.group must be matched or an integer >= 1 or null (the checkpoint's), got 'fitted'.", post="nothing written to out"),
+            "extend_options.group must be matched or an integer >= 1 (a group size) or null (the checkpoint's), got 'fitted'.", post="nothing written to out"),
         # OmegaConf's own refusal of a typed field names the option only in a detail line: the error line leads with it
         Row("study-finetune-seeds-fraction", STUDY, "out={OUT} finetune_seeds=1.5", 2,
             "finetune_seeds: Value '1.5' of type 'float' could not be converted to Integer", post="nothing written to out"),
         Row("generate-extend-window-zero", GENERATE, "ckpt={RUN} prompt=ROMEO: extend=self_extend extend.window=0", 2,
-            "extend.window must be an integer >= 1, got 0.", post="nothing printed"),
+            "extend.window must be an integer >= 1 (a number of positions), got 0.", post="nothing printed"),
         # the reliability probe's cases: each was a traceback, a silent wrong result or a late refusal
         Row("train-val-check-interval-zero", TRAIN, "{TINY} trainer.val_check_interval=0", 2,
             "trainer.val_check_interval must be an integer >= 1 or a finite number in (0, 1], got 0.", post="no run dir"),
@@ -175,7 +175,7 @@ ROWS = [
         # only 90,000 five-digit keys exist: drawing 99,999 decoys never ended
         Row("passkey-more-candidates-than-keys", PASSKEY,
             "ckpt={RUN} out={OUT} lengths=[300] depths=[0] trials=1 methods=[none] tasks=[passkey] candidates=100000", 2,
-            "99,999 distinct 5-digit keys cannot be drawn: only 90,000 exist", post="nothing written to out", lines=None),
+            "candidates must be an integer in [2, 90000] (the five-digit keys there are), got 100000.", post="nothing written to out"),
         Row("generate-start-pos-past-2-53", GENERATE,
             "ckpt={RUN} prompt=ROMEO: start_pos=9007199254740990 max_new_tokens=4", 2,
             "is beyond 2^53 - 1, the largest position RoPE keeps exact.", post="nothing printed"),

@@ -585,7 +585,7 @@ def test_generate_cli_scores_with_an_extension_override(extend, options, tmp_pat
     overall = next(line for line in out.splitlines() if line.strip().startswith("overall"))
     assert code == 0 and overall.split()[1:3] == [str(losses.numel()), f"{float(losses.double().mean()):.4f}"]
     code, _, err = run_generate_main(args + [f"extend={extend}", "extend.group=0"], monkeypatch, capsys)
-    assert code == 2 and "extend group must be an integer >= 1 (a group size), got 0." in err
+    assert code == 2 and "extend.group must be an integer >= 1 (a group size), got 0." in err
 
 
 def test_generate_cli_refuses_a_remap_that_cannot_work(tmp_path, monkeypatch, capsys):

@@ -59,7 +59,7 @@ def test_cli_process_streams_the_engines_text_and_fails_cleanly(run_dir, model, 
     assert "prompt tokens: " in single.stderr and "decode: " in single.stderr and "tokens/s" in single.stderr
 
     assert error.returncode == 2
-    assert error.stderr == "error: top_p must be in (0, 1] (1 = no nucleus filter), got 0.0.\n"
+    assert error.stderr == "error: top_p must be a finite number in (0, 1], got 0.\n"
 
 
 def test_cli_prompt_file_batch_and_score(run_dir, model, tok, tmp_path, monkeypatch, capsys):
@@ -111,12 +111,12 @@ CLI_ERRORS = {  # args ({CKPT} = the good run dir, ...) -> the sentence on stder
     "cache too small": (["ckpt={CKPT}", "prompt=ROMEO", "max_new_tokens=50", "cache_len=20"], "cache_len=20"),
     "unknown rope scaling": (
         ["ckpt={CKPT}", "prompt=x", "rope=ntk", "rope.scaling=warp"],
-        "valid scalings are",
+        "rope.scaling must be one of none, linear",
     ),
-    "top_p": (["ckpt={CKPT}", "prompt=x", "top_p=1.5"], "top_p must be in (0, 1]"),
+    "top_p": (["ckpt={CKPT}", "prompt=x", "top_p=1.5"], "top_p must be a finite number in (0, 1]"),
     "temperature": (
         ["ckpt={CKPT}", "prompt=x", "temperature=-1"],
-        "temperature must be a finite number >= 0",
+        "temperature must be a finite number in [0, 100]",
     ),
     "top_k": (["ckpt={CKPT}", "prompt=x", "top_k=-3"], "top_k must be an integer >= 0"),
     "negative start_pos": (

@@ -205,7 +205,7 @@ def test_cli_refuses_bad_dtype_and_existing_out_in_one_sentence(
     for args, message in [
         (
             [f"out={tmp_path / 'new.gguf'}", "dtype=bf16"],
-            "error: dtype=bf16 is not supported; choose one of f32, f16.",
+            "error: dtype must be one of f32, f16, got 'bf16'.",
         ),
         ([f"out={out}"], f"error: out={out} exists; pass overwrite=true to replace it."),
         ([f"out={tmp_path}"], f"error: out={tmp_path} is a directory; give a file path"),

@@ -147,7 +147,7 @@ def test_bad_preparation_options_are_one_sentence(tmp_path):
         [sys.executable, "scripts/prepare_data.py", "workers=0", f"data.cache_dir={tmp_path}"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: workers must be a positive integer, got 0."
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: workers must be an integer >= 1, got 0."
 
 
 def test_an_object_store_url_receives_the_same_shards(tmp_path):

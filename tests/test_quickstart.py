@@ -34,7 +34,8 @@ def test_readme_quick_start_runs_in_order(tmp_path):
     commands = quick_start_commands()
     assert commands[0] == "make train" and commands[1].startswith("python generate.py ckpt=runs/default ")
     corpus = small_corpus(tmp_path / "corpus", n_files=6, chars=4000)
-    tiny = [*tiny_overrides(tmp_path, corpus), "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    tiny = [*tiny_overrides(tmp_path, corpus), "trainer.max_steps=4", "trainer.val_check_interval=2",
+            "optim.warmup_steps=2"]  # fmt: skip
     train = make_train_command(tiny)
     assert "run_name=default" in train
     trained = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -194,15 +194,15 @@ def test_options_are_checked():
     assert RecallConfig.from_options(None).fraction == 0.0
     with pytest.raises(DataError, match=r"data.recall keys \['fration'\] are unknown"):
         RecallConfig.from_options({"fration": 0.5})
-    with pytest.raises(DataError, match="data.recall.fraction must lie in"):
+    with pytest.raises(DataError, match=r"data\.recall\.fraction must be a finite number in \[0, 1\]"):
         RecallConfig.from_options({"fraction": 1.5})
     with pytest.raises(DataError, match="queries <= min_pairs <= max_pairs"):
         RecallConfig.from_options({"queries": 3, "min_pairs": 2})
-    with pytest.raises(DataError, match=r"data.recall.far_share must lie in \[0, 1\], got 2"):
+    with pytest.raises(DataError, match=r"data.recall.far_share must be a finite number in \[0, 1\], got 2"):
         RecallConfig.from_options({"far_share": 2})
-    with pytest.raises(DataError, match="data.recall.midline_share must lie in"):
+    with pytest.raises(DataError, match=r"data\.recall\.midline_share must be a finite number in \[0, 1\]"):
         RecallConfig.from_options({"midline_share": -0.1})
-    with pytest.raises(DataError, match="data.recall.flat_share must lie in"):
+    with pytest.raises(DataError, match=r"data\.recall\.flat_share must be a finite number in \[0, 1\]"):
         RecallConfig.from_options({"flat_share": 1.5})
     with pytest.raises(DataError, match="shared_noun_share needs max_pairs <= 30"):
         RecallConfig.from_options({"shared_noun_share": 0.5, "max_pairs": 31})
@@ -302,7 +302,7 @@ def test_counting_share_makes_copy_windows_numbers_runs_of_consecutive_values(to
     assert len(segments) > 40 and {len(v) for v in segments} == {2, 3, 4}  # never a lone number
     twice = np.mean([segments.count(v) >= 2 for v in segments])
     assert twice > 0.8  # each run is stated twice (unless cut off at the window's end)
-    with pytest.raises(DataError, match="data.recall.counting_share must lie in"):
+    with pytest.raises(DataError, match=r"data\.recall\.counting_share must be a finite number in \[0, 1\]"):
         RecallConfig.from_options({"counting_share": 1.5})
 
 
@@ -320,7 +320,7 @@ def test_copy_fraction_turns_other_rows_into_copy_windows(tok):
     others = [r for r in range(16) if r not in recall_rows]
     assert recall_rows and others  # x's rows have no repeated token: a copy window repeats about half
     assert all(len(set(mixed[r].tolist())) < 0.7 * 256 for r in others)
-    with pytest.raises(DataError, match="data.recall.copy_fraction must lie in"):
+    with pytest.raises(DataError, match=r"data\.recall\.copy_fraction must be a finite number in \[0, 1\]"):
         RecallConfig.from_options({"copy_fraction": -0.1})
 
 
@@ -351,7 +351,9 @@ def test_unstated_facts_are_asked_but_never_stated(tok):
             weights[row] == 5.0
         ).sum() == 7  # one answer's 5 digits off
         assert tok.decode(trained) in {" " + answers[1], answers[0] + " "}  # the unstated one: its space only
-    with pytest.raises(DataError, match=r"data.recall.unstated_share must lie in \[0, 1\], got 2"):
+    with pytest.raises(
+        DataError, match=r"data.recall.unstated_share must be a finite number in \[0, 1\], got 2"
+    ):
         RecallConfig.from_options({"unstated_share": 2})
 
 

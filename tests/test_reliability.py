@@ -350,9 +350,9 @@ BAD_INPUT = {
     "odd head dim": (["model.d_model=36", "model.n_heads=4"], "head dim d_model/n_heads = 9 must be even"),
     "unknown rope scaling": (
         ["rope.scaling=warp"],
-        "valid scalings are none, linear, ntk, dynamic_ntk, yarn, llama3",
+        "rope.scaling must be one of none, linear, ntk, dynamic_ntk, yarn, llama3",
     ),
-    "factor < 1": (["rope=linear", "rope.factor=0.5"], "rope factor must be >= 1"),
+    "factor < 1": (["rope=linear", "rope.factor=0.5"], "rope.factor must be a finite number in [1, 1048576]"),
     "max_len beyond the data": (["data.max_len=50000"], "max_len"),
     "missing data files": (["data.source.paths=[/nonexistent/*.txt]"], "/nonexistent/*.txt"),
     "missing resume checkpoint": (["ckpt_path=last"], "ckpt_path=last but"),

@@ -130,7 +130,7 @@ def test_invalid_combination_fails_with_one_sentence(tmp_path, corpus):
         ),
         (
             ["positions=pose", "positions.chunks=0"],
-            "positions.chunks must be an integer in [1, data.max_len=32], got 0.",
+            "positions.chunks must be an integer >= 1, got 0.",
         ),
         (["positions=pose", "positions.chunks=33"], "got 33."),
         (["positions=randomized", "positions.target_len=8"], "for randomized, got 8."),
@@ -550,11 +550,13 @@ def test_checkpoints_that_do_not_fit_are_refused_before_the_run_directory_is_wri
         {k: v for k, v in safe_load(last).items() if k in ("state_dict", "model_config")}, weights_only
     )
     wider = ["model.d_model=128"]
+    moved = tmp_path / "moved.ckpt"  # outside its run directory: no saved settings, the weights are compared
+    moved.write_bytes(last.read_bytes())
     shapes = "tensor 'embed.weight' has shape [320, 64] in the checkpoint but [320, 128] in the model (and "
     for option, path, overrides, sentence in [
         ("init_from", last, wider, f"init_from {last} does not fit this model (the same model= and data "
          f"tokenizer are needed): {shapes}"),
-        ("ckpt_path", last, wider, f"ckpt_path {last} does not fit this model (resume with the run's own "
+        ("ckpt_path", moved, wider, f"ckpt_path {moved} does not fit this model (resume with the run's own "
          f"model= and data settings): {shapes}"),
         ("ckpt_path", weights_only, [], f"ckpt_path {weights_only} holds no training state to resume "
          f"(optimizer, schedule, step); pass init_from={weights_only} to start a new run from its weights."),

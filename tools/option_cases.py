@@ -1,6 +1,7 @@
 """Run the bad-input cases of issue #78 against a checkout, as a user would, and print one table row each.
 
     python tools/option_cases.py checkout=/path/to/clone out=cases.json [timeout=90]
+    python tools/option_cases.py mode=schema        # this checkout's check_command on each case, in-process
 
 Each case runs its entry point from `checkout` (its own code, its own .venv-free PYTHONPATH) with a tiny
 model and a few steps; a row says how it ended: `refused` (exit 2, one `error:` line), `traceback`,
@@ -91,8 +92,35 @@ def run(checkout: Path, args: list[str], cwd: Path, timeout: float):
         return None
 
 
+def overrides_of(case: str) -> list[str]:
+    return [case] if case.startswith("run_name=") else case.split(" ")
+
+
+def schema_rows() -> None:
+    """Each case's composed config through this checkout's `check_command` (no process, no model)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    from rope_llama import CONFIGS
+    from rope_llama.cli.schema import check_command
+
+    for command, case in CASES:
+        with initialize_config_dir(str(CONFIGS), version_base=None):
+            cfg = compose(command, overrides=overrides_of(case))
+        with open_dict(cfg):
+            cfg.hydra = OmegaConf.create({"runtime": {"output_dir": "/tmp/run"}})
+        try:
+            check_command(command, cfg)
+            said = "passes the schema"
+        except ValueError as e:
+            said = str(e)
+        print(f"| {SCRIPTS[command]} | `{case[:60]}` | {said} |")
+
+
 def main() -> None:
     options = dict(a.split("=", 1) for a in sys.argv[1:])
+    if options.get("mode") == "schema":
+        return schema_rows()
     checkout, timeout = Path(options["checkout"]).resolve(), float(options.get("timeout", 90))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +132,7 @@ def main() -> None:
             checkout, ["scripts/export_hf.py", f"ckpt={tmp / 'base'}", f"out={tmp / 'hf'}"], checkout, 300
         )  # to overwrite
         for command, case in CASES:
-            extra = case.split(" ") if not case.startswith("run_name=") else [case]
+            extra = overrides_of(case)
             out = tmp / f"out{len(rows)}"
             args = {
                 "train": ["train.py", *TRAIN, cache, *extra]

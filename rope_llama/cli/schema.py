@@ -291,10 +291,19 @@ def present(cfg: DictConfig, key: str):
     return value_at(cfg, key)[1]
 
 
+def in_a_sweep() -> bool:
+    """Whether this process is one run of a Hydra multirun (`-m rope=none,linear rope.factor=2`), where one
+    factor is shared by every setting of the sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def unused_factor(cfg: DictConfig) -> None:
     """A factor with no scaling would do nothing: the user meant a scaling."""
     factor = present(cfg, "rope.factor")
-    if present(cfg, "rope.scaling") == "none" and factor not in (None, 1, 1.0):
+    if present(cfg, "rope.scaling") == "none" and factor not in (None, 1, 1.0) and not in_a_sweep():
         raise OptionError(
             f"rope.factor={factor} does nothing with rope.scaling=none; choose a scaling (e.g. rope=yarn) "
             "or leave factor at 1."

@@ -111,6 +111,7 @@ def resume_weights(ckpt_path: str) -> tuple[dict, dict | None]:
 
 # What a resumed run must keep: its optimizer state, weights and positions were made with these.
 RESUMED_GROUPS = ("model", "rope", "extend", "positions", "optim")
+CHOOSERS = (".name", ".scaling", ".method", ".kind")  # named first: the change that explains the others
 
 
 def flat(node, prefix: str) -> dict[str, object]:
@@ -138,7 +139,7 @@ def resumed_settings(cfg: DictConfig, ckpt_path: str) -> None:
         before, now = flat(saved.get(group, {}), group), flat(here.get(group, {}), group)
         changed += [
             f"{k}={before.get(k)!r} -> {now.get(k)!r}"
-            for k in sorted(set(before) | set(now))
+            for k in sorted(set(before) | set(now), key=lambda k: (not k.endswith(CHOOSERS), k))
             if before.get(k) != now.get(k)
         ]
     if changed:
