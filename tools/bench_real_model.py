@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -160,6 +161,7 @@ def main(argv: list[str]) -> dict:
     f16 = workdir / "f16.gguf"
     save(gguf_writer(cfg, model.state_dict(), tok, "f16", name="bench"), f16)
     results = {"args": args, "threads": torch.get_num_threads(), "machine": platform_line()}
+    results["loadavg"] = {"start": os.getloadavg()}  # 1, 5, 15 minutes: what else the cores were doing
     with background_load(bool(args["load"])):
         bandwidth = copy_bandwidth()
         peak = {name: measure_matmul_peak(torch.device("cpu"), dtype, n=2048)
@@ -174,7 +176,7 @@ def main(argv: list[str]) -> dict:
             fn = ours_decode if name.startswith("ours") else hf_decode
             fn(side, prompt[:64], 4)  # warm-up
             prefill[name, len(prompt)], decode[name] = fn(side, prompt, args["new_tokens"])
-            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s", file=sys.stderr)
+            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s; {load_line()}", file=sys.stderr)
         if args["compile"]:  # decode only: the compiled step serves one-token forwards
             ours_compiled_decode(sides["ours_bf16"], prompt[:64], 4)
             decode["ours_bf16_compiled"] = ours_compiled_decode(
@@ -183,7 +185,7 @@ def main(argv: list[str]) -> dict:
         for name, llm in llms.items():
             llama_cpp_decode(llm, prompt[:64], 4)
             prefill[name, len(prompt)], decode[name] = llama_cpp_decode(llm, prompt, args["new_tokens"])
-            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s", file=sys.stderr)
+            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s; {load_line()}", file=sys.stderr)
         for length in lengths:
             window = tokens[: length + 1]
             for name, side in sides.items():
@@ -202,9 +204,10 @@ def main(argv: list[str]) -> dict:
                     prefill[name, length] = llama_cpp_decode(llm, window[:length], 2)[0]
                 if args["scoring"]:
                     scoring[name, length] = llama_cpp_score(llm, window)
-            print(f"[bench] length {length} done", file=sys.stderr)
+            print(f"[bench] length {length} done; {load_line()}", file=sys.stderr)
         for llm in llms.values():
             llm.close()
+    results["loadavg"]["end"] = os.getloadavg()
     n_params = model.num_parameters()
     results |= {
         "bandwidth_bytes_per_s": bandwidth,
@@ -221,6 +224,11 @@ def main(argv: list[str]) -> dict:
     return results
 
 
+def load_line() -> str:
+    """The load average now (this process and the load it started included)."""
+    return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def platform_line() -> str:
     from rope_llama.kernels.cpuinfo import cpu_model
 
@@ -231,7 +239,11 @@ def markdown(r: dict, prompt_len: int, lengths: list[int]) -> str:
     """The tables: tokens/s per side, ours / side ratios (bf16 against bf16 / f16, fp32 against fp32),
     and ours against the floors."""
     floor = r["floors"]
-    out = [f"threads {r['threads']}; copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; matmul peak "
+    load = r.get("loadavg", {})
+    out = [
+        f"load average (1 min) at start {load['start'][0]:.2f}, at end {load['end'][0]:.2f}" if load else ""
+    ]
+    out += [f"threads {r['threads']}; copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; matmul peak "
            f"bf16 {r['matmul_peak_flops']['bf16'] / 1e9:.0f}, fp32 {r['matmul_peak_flops']['fp32'] / 1e9:.0f} GFLOP/s", ""]  # fmt: skip
     out += [f"| decode (tokens/s, prompt {prompt_len}) | value | ours_bf16 / it |", "|---|---|---|"]
     for name, v in r["decode"].items():
