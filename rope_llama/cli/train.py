@@ -162,7 +162,7 @@ def describe_positions(lengths: TrainedLengths, rope: RopeConfig, extend: Extend
 
 def check_switches(cfg: DictConfig) -> None:
     """The run-level booleans, which OmegaConf leaves untyped in train.yaml."""
-    for key in ("kernels", "overwrite"):
+    for key in ("kernels", "overwrite", "checkpoint_blocks"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
 
@@ -210,6 +210,12 @@ def setup_run(cfg: DictConfig):
     compile_blocks, why = resolve_compile(
         cfg.compile, trainer_cfg.precision, trainer_cfg.accelerator, trainer_cfg.max_steps
     )
+    if cfg.checkpoint_blocks and compile_blocks:  # recomputation is eager: compile=auto yields to it
+        if cfg.compile is True:
+            raise ValueError(
+                "checkpoint_blocks=true recomputes the blocks eagerly; pass compile=false (or auto)."
+            )
+        compile_blocks, why = False, "checkpoint_blocks=true recomputes the blocks eagerly"
     optim = build(cfg.optim)
     sample = build(cfg.sample, tokenizer=None)  # its options fail now, not at the first validation
     model_config = build(cfg.model)  # shape errors before any data work; vocab_size comes below
@@ -248,6 +254,7 @@ def setup_run(cfg: DictConfig):
         tokenizer=tokenizer,
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
+        checkpoint_blocks=cfg.checkpoint_blocks,
     )
     if resume_state is not None:  # Lightning loads it in fit, where a mismatch would be a traceback
         check_weights_fit(
