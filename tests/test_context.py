@@ -18,7 +18,7 @@ from rope_llama.model.context import reference_len, resolve_positions
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.llama import Llama
 from rope_llama.model.rope import RopeConfig
-from tests.helpers import L0, compose_train, small_corpus, tiny_overrides
+from tests.helpers import L0, compose_train, last_weights, small_corpus, tiny_overrides
 from tests.test_eval import compose_script, eval_cfg, rows_by
 
 CHECKPOINT = ModelConfig(
@@ -132,6 +132,42 @@ def test_fine_tune_recipes_type_no_factor(tmp_path, recipe, factor):
         assert lengths.context_len == 256 * factor
     cfg = compose_train([*recipe, "rope=yarn", "rope.factor=2", "init_from=base.ckpt"], tmp_path / "given")
     assert run_positions(cfg, base)[1].factor == 2  # a number on the command line wins
+
+
+def test_a_fine_tune_resumes_with_its_own_command(tmp_path):
+    """The resume of an init_from run is its own command plus ckpt_path=last (what SIGTERM prints): init_from
+    still gives the shape and the positions, the resumed checkpoint the weights, and the run ends where an
+    uninterrupted one does."""
+    corpus = small_corpus(tmp_path / "corpus", n_files=6, chars=4000)
+    steps = ["logger=none", "trainer.val_check_interval=2", "compile=false"]
+    base_overrides = [*tiny_overrides(tmp_path, corpus), *steps, "trainer.max_steps=2", "model.d_model=32"]
+    train(compose_train(base_overrides, tmp_path / "base"))
+    base = tmp_path / "base" / "checkpoints" / "last.ckpt"
+    fine = [*tiny_overrides(tmp_path, corpus), *steps, f"init_from={base}", "experiment=extend_context",
+            "rope=yarn", f"data.max_len={2 * L0}", "data.batch_size=2", "optim.warmup_steps=1"]  # fmt: skip
+    train(compose_train([*fine, "trainer.max_steps=2"], tmp_path / "whole"))
+    train(compose_train([*fine, "trainer.max_steps=1"], tmp_path / "parts"))
+    train(compose_train([*fine, "trainer.max_steps=2", "ckpt_path=last"], tmp_path / "parts"))
+    whole, parts = last_weights(tmp_path / "whole"), last_weights(tmp_path / "parts")
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+    config = load_checkpoint(tmp_path / "parts").config
+    assert (config.d_model, config.rope.scaling, config.rope.factor) == (32, "yarn", 2.0)
+
+
+@pytest.mark.parametrize("recipe", [[], ["experiment=extend_context"], ["experiment=pose", "rope=yarn"]])
+def test_init_from_keeps_the_checkpoints_rope_base_and_layout(tmp_path, recipe):
+    """A real model's RoPE base (SmolLM2: 100000) is not the rope group's 10000: a fine-tune that names no
+    rope.base trains with the checkpoint's base, layout and rotary_dim; one that names them gets its own."""
+    base = ModelConfig(
+        lengths=TrainedLengths(256, 256),
+        rope=RopeConfig(base=100000.0, layout="interleaved", rotary_dim=8, original_max_len=256),
+    )
+    cfg = compose_train([*recipe, "init_from=base.ckpt"], tmp_path / "kept")
+    rope = run_positions(cfg, base)[1]
+    assert (rope.base, rope.layout, rope.rotary_dim) == (100000.0, "interleaved", 8)
+    cfg = compose_train([*recipe, "init_from=base.ckpt", "rope.base=50000"], tmp_path / "named")
+    assert run_positions(cfg, base, {"base"})[1].base == 50000.0
+    assert run_positions(cfg, None)[1].base == 50000.0  # from scratch: the group's values, as before
 
 
 def test_use_positions_leaves_the_checkpoint_config_and_restores_by_construction():

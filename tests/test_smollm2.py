@@ -177,3 +177,51 @@ def test_f32_re_export_runs_in_llama_cpp_like_ours(imported, tmp_path, held_out,
     print(f"\nllama.cpp on the f32 re-export vs ours, 512 positions: top-1 {rate:.2%}, max |diff| {diff:.1e}")
     assert greedy == mine and len(set(mine)) > 10
     assert rate >= 0.99 and diff < 2e-3
+
+
+def test_init_from_fine_tunes_past_the_context_and_resumes(imported, tmp_path):
+    """train.py init_from= the real model: PoSE towards 2x its context with YaRN on short windows, one
+    step, then resumed (ckpt_path=last) for a second; the run keeps the tokenizer's config (no bos, the
+    chat template) beside its tokenizer, and its checkpoint loads with both."""
+    from rope_llama.cli.train import train
+    from tests.helpers import compose_train, small_corpus
+
+    corpus = small_corpus(tmp_path / "corpus", n_files=6, chars=6000)
+    run_dir = tmp_path / "fine"
+    overrides = [
+        f"init_from={imported.path}",
+        f"data.tokenizer_path={imported.tokenizer_file()}",
+        "data=text_files",
+        f"data.source.paths=[{corpus}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "experiment=pose",
+        "rope=yarn",
+        "positions.target_len=16384",
+        "data.max_len=128",
+        "data.batch_size=1",
+        "trainer.val_check_interval=1",
+        "trainer.limit_val_batches=1",
+        "sample.max_new_tokens=4",
+        "trainer.enable_model_summary=false",
+        "logger=none",
+        "compile=false",
+    ]
+    start = time.perf_counter()
+    train(compose_train([*overrides, "trainer.max_steps=1"], run_dir))
+    first = time.perf_counter() - start
+    train(compose_train([*overrides, "trainer.max_steps=2", "ckpt_path=last"], run_dir))
+    print(f"\ninit_from SmolLM2, 128-token PoSE windows: 1 step {first:.0f} s, resumed to 2 in "
+          f"{time.perf_counter() - start - first:.0f} s")  # fmt: skip
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)
+    assert ckpt["global_step"] == 2
+    fine = load_checkpoint(run_dir)
+    assert fine.config.lengths == TrainedLengths(128, 16384)
+    rope = fine.config.rope  # the checkpoint's base 100000, not the rope group's 10000
+    assert (rope.scaling, rope.factor, rope.original_max_len, rope.base) == ("yarn", 2.0, 8192, 100000.0)
+    assert (run_dir / "tokenizer_config.json").read_bytes() == (
+        Path(imported.tokenizer_file()).parent / "tokenizer_config.json"
+    ).read_bytes()
+    assert fine.tokenizer_file() == Path(imported.tokenizer_file())  # the file the run was given
+    tokenizer = Tokenizer(str(run_dir / "tokenizer.json"))  # the run's own copy, for when it moves
+    assert not tokenizer.add_bos and tokenizer.chat_template and tokenizer.end_of_turn_id is not None
+    assert (run_dir / "samples.txt").read_text().count("--- step") == 2  # one per validation

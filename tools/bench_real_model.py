@@ -9,7 +9,8 @@ in bf16 and fp32; llama.cpp on an f16 re-export of the same weights (our exporte
 nearest to bf16) and on the original quantized file (reported, not a target). Decode: greedy tokens after a
 `prompt_len`-token prompt of a held-out play, the decode steps alone timed. Prefill: the prompt into an empty
 KV cache. Scoring: every token's loss (ours: score_tokens in chunks; transformers: one forward and the
-cross-entropy of all logits; llama.cpp: an eval with every position's logits). Floors: decode, the weight
+cross-entropy of all logits; llama.cpp: an eval with every position's logits). Prefill and scoring are the
+best of `repeats` rounds, each round taking every side in turn. Floors: decode, the weight
 and KV-cache bytes one token reads over the measured copy bandwidth; prefill, the FLOPs per token over the
 measured matmul peak. Prints a markdown table and writes `out` (JSON).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -37,7 +39,8 @@ from rope_llama.kernels import use_kernels
 from rope_llama.training.throughput import measure_matmul_peak
 
 DEFAULTS = dict(ckpt="runs/smollm2", gguf=None, threads=2, lengths=[2048, 8192], prompt_len=2048,
-                new_tokens=32, chunk=2048, load=False, out="bench-real-model.json", scoring=True, compile=True)  # fmt: skip
+                new_tokens=32, chunk=2048, load=False, out="bench-real-model.json", scoring=True, compile=True,
+                repeats=2)  # fmt: skip
 
 
 def parse(argv: list[str]) -> dict:
@@ -160,6 +163,7 @@ def main(argv: list[str]) -> dict:
     f16 = workdir / "f16.gguf"
     save(gguf_writer(cfg, model.state_dict(), tok, "f16", name="bench"), f16)
     results = {"args": args, "threads": torch.get_num_threads(), "machine": platform_line()}
+    results["loadavg"] = {"start": os.getloadavg()}  # 1, 5, 15 minutes: what else the cores were doing
     with background_load(bool(args["load"])):
         bandwidth = copy_bandwidth()
         peak = {name: measure_matmul_peak(torch.device("cpu"), dtype, n=2048)
@@ -174,7 +178,7 @@ def main(argv: list[str]) -> dict:
             fn = ours_decode if name.startswith("ours") else hf_decode
             fn(side, prompt[:64], 4)  # warm-up
             prefill[name, len(prompt)], decode[name] = fn(side, prompt, args["new_tokens"])
-            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s", file=sys.stderr)
+            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s; {load_line()}", file=sys.stderr)
         if args["compile"]:  # decode only: the compiled step serves one-token forwards
             ours_compiled_decode(sides["ours_bf16"], prompt[:64], 4)
             decode["ours_bf16_compiled"] = ours_compiled_decode(
@@ -183,28 +187,31 @@ def main(argv: list[str]) -> dict:
         for name, llm in llms.items():
             llama_cpp_decode(llm, prompt[:64], 4)
             prefill[name, len(prompt)], decode[name] = llama_cpp_decode(llm, prompt, args["new_tokens"])
-            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s", file=sys.stderr)
+            print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s; {load_line()}", file=sys.stderr)
         for length in lengths:
             window = tokens[: length + 1]
-            for name, side in sides.items():
-                if (name, length) not in prefill:
+            # best of `repeats` rounds, every side once per round: the side measured first at a new
+            # length would otherwise pay the one-time costs (kernel selection for new shapes, first-touch
+            # pages) alone
+            for _ in range(int(args["repeats"])):
+                for name, side in sides.items():
                     fn = ours_decode if name.startswith("ours") else hf_decode
-                    prefill[name, length] = fn(side, window[:length], 2)[0]
-                if args["scoring"]:
-                    ids = torch.tensor(window)
-                    scoring[name, length] = (
-                        ours_score(side, ids, int(args["chunk"]))
-                        if name.startswith("ours")
-                        else hf_score(side, ids)
-                    )
-            for name, llm in llms.items():
-                if (name, length) not in prefill:
-                    prefill[name, length] = llama_cpp_decode(llm, window[:length], 2)[0]
-                if args["scoring"]:
-                    scoring[name, length] = llama_cpp_score(llm, window)
-            print(f"[bench] length {length} done", file=sys.stderr)
+                    best(prefill, (name, length), fn(side, window[:length], 2)[0])
+                    if args["scoring"]:
+                        ids = torch.tensor(window)
+                        best(scoring, (name, length), (
+                            ours_score(side, ids, int(args["chunk"]))
+                            if name.startswith("ours")
+                            else hf_score(side, ids)
+                        ))  # fmt: skip
+                for name, llm in llms.items():
+                    best(prefill, (name, length), llama_cpp_decode(llm, window[:length], 2)[0])
+                    if args["scoring"]:
+                        best(scoring, (name, length), llama_cpp_score(llm, window))
+            print(f"[bench] length {length} done; {load_line()}", file=sys.stderr)
         for llm in llms.values():
             llm.close()
+    results["loadavg"]["end"] = os.getloadavg()
     n_params = model.num_parameters()
     results |= {
         "bandwidth_bytes_per_s": bandwidth,
@@ -221,6 +228,16 @@ def main(argv: list[str]) -> dict:
     return results
 
 
+def best(table: dict, key, tokens_per_s: float) -> None:
+    """Keep the highest tokens/s measured for `key`."""
+    table[key] = max(table.get(key, 0.0), tokens_per_s)
+
+
+def load_line() -> str:
+    """The load average now (this process and the load it started included)."""
+    return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def platform_line() -> str:
     from rope_llama.kernels.cpuinfo import cpu_model
 
@@ -231,7 +248,11 @@ def markdown(r: dict, prompt_len: int, lengths: list[int]) -> str:
     """The tables: tokens/s per side, ours / side ratios (bf16 against bf16 / f16, fp32 against fp32),
     and ours against the floors."""
     floor = r["floors"]
-    out = [f"threads {r['threads']}; copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; matmul peak "
+    load = r.get("loadavg", {})
+    out = [
+        f"load average (1 min) at start {load['start'][0]:.2f}, at end {load['end'][0]:.2f}" if load else ""
+    ]
+    out += [f"threads {r['threads']}; copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; matmul peak "
            f"bf16 {r['matmul_peak_flops']['bf16'] / 1e9:.0f}, fp32 {r['matmul_peak_flops']['fp32'] / 1e9:.0f} GFLOP/s", ""]  # fmt: skip
     out += [f"| decode (tokens/s, prompt {prompt_len}) | value | ours_bf16 / it |", "|---|---|---|"]
     for name, v in r["decode"].items():

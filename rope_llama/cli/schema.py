@@ -186,6 +186,7 @@ TRAIN: Schema = {
     "overwrite": FLAG,
     "compile": either(FLAG, choice("auto")),
     "kernels": FLAG,
+    "checkpoint_blocks": FLAG,
 }
 INFERENCE = {"device": TEXT, "dtype": DTYPE, "threads": THREADS, "seed": SEED}
 GENERATE: Schema = {

@@ -155,15 +155,24 @@ def group_values(node: DictConfig) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
+# The RoPE fields the weights were trained with: an init_from run keeps the checkpoint's (a real model's
+# base is rarely the rope group's 10000) unless the command line names them (rope.base=...).
+WEIGHT_ROPE_FIELDS = ("base", "layout", "rotary_dim")
+
+
 def run_positions(
-    cfg: DictConfig, base: ModelConfig | None
+    cfg: DictConfig, base: ModelConfig | None, named: set[str] = frozenset()
 ) -> tuple[TrainedLengths, RopeConfig, ExtendConfig]:
     """This run's trained lengths and the RoPE and extension it trains with (model/context.py): relative to
-    its own windows from scratch, continuing the positions of `base` (the init_from checkpoint's config)."""
+    its own windows from scratch, continuing the positions of `base` (the init_from checkpoint's config),
+    whose base, layout and rotary_dim stay unless `named` (the rope fields the command line sets) has them."""
     positions = PositionsConfig.from_options(OmegaConf.to_container(cfg.data.positions, resolve=True))
     positions.check(cfg.data.max_len)
     lengths = TrainedLengths(cfg.data.max_len, positions.context_len(cfg.data.max_len))
-    rope, extend = resolve_positions(base, group_values(cfg.rope), group_values(cfg.extend), training=lengths)
+    rope_values = group_values(cfg.rope)
+    if base is not None:
+        rope_values |= {f: getattr(base.rope, f) for f in WEIGHT_ROPE_FIELDS if f not in named}
+    rope, extend = resolve_positions(base, rope_values, group_values(cfg.extend), training=lengths)
     return lengths, rope, extend
 
 
@@ -172,10 +181,10 @@ WEIGHT_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "
                  "mix_previous_tokens")  # fmt: skip
 
 
-def model_fields_named(task_overrides: list[str]) -> set[str]:
-    """The model fields the command line sets itself (model.d_model=..., +model.x=...)."""
+def fields_named(task_overrides: list[str], group: str = "model") -> set[str]:
+    """The fields of `group` the command line sets itself (model.d_model=..., +model.x=..., rope.base=...)."""
     keys = (o.lstrip("+~").split("=", 1)[0] for o in task_overrides)
-    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    return {k.removeprefix(f"{group}.") for k in keys if k.startswith(f"{group}.")}
 
 
 def shape_of(init: ModelConfig, run: ModelConfig, named: set[str]) -> ModelConfig:
@@ -196,7 +205,7 @@ def describe_positions(lengths: TrainedLengths, rope: RopeConfig, extend: Extend
 
 def check_switches(cfg: DictConfig) -> None:
     """The run-level booleans, which OmegaConf leaves untyped in train.yaml."""
-    for key in ("kernels", "overwrite"):
+    for key in ("kernels", "overwrite", "checkpoint_blocks"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
 
@@ -210,6 +219,15 @@ def data_parallel_processes(trainer_cfg: DictConfig) -> int | None:
     if isinstance(devices, (list, ListConfig)):
         return len(devices) * trainer_cfg.num_nodes
     return None
+
+
+def copy_tokenizer(path: str, run_dir: Path) -> None:
+    """The run's tokenizer.json into its directory, with the tokenizer_config.json beside it when there is
+    one (an imported model's bos setting, end of turn and chat template), so a run that moves keeps both."""
+    shutil.copyfile(path, run_dir / "tokenizer.json")
+    config = Path(path).parent / "tokenizer_config.json"
+    if config.is_file():
+        shutil.copyfile(config, run_dir / "tokenizer_config.json")
 
 
 def build_trainer(trainer_cfg: DictConfig, **kwargs) -> L.Trainer:
@@ -235,29 +253,35 @@ def setup_run(cfg: DictConfig):
     compile_blocks, why = resolve_compile(
         cfg.compile, trainer_cfg.precision, trainer_cfg.accelerator, trainer_cfg.max_steps
     )
+    if cfg.checkpoint_blocks and compile_blocks:  # recomputation is eager: compile=auto yields to it
+        if cfg.compile is True:
+            raise ValueError(
+                "checkpoint_blocks=true recomputes the blocks eagerly; pass compile=false (or auto)."
+            )
+        compile_blocks, why = False, "checkpoint_blocks=true recomputes the blocks eagerly"
     optim = build(cfg.optim)
     sample = build(cfg.sample, tokenizer=None)  # its options fail now, not at the first validation
     model_config = build(cfg.model)  # shape errors before any data work; vocab_size comes below
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    if ckpt_path and cfg.init_from:
-        raise ValueError(
-            f"init_from={cfg.init_from} and ckpt_path={cfg.ckpt_path} exclude each other: ckpt_path resumes a run "
-            "(weights, optimizer, step), init_from starts a new one from weights; pass one."
-        )
     if not cfg.overwrite:
         refuse_to_overwrite(run_dir, ckpt_path)
     if ckpt_path:
         resumed_settings(cfg, ckpt_path)
     resume_state, resume_config = resume_weights(ckpt_path) if ckpt_path else (None, None)
-    init_ckpt = safe_load(cfg.init_from) if cfg.init_from else None
-    init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None else None
+    # With ckpt_path too (the resume of a run started from init_from: its own command plus ckpt_path=last),
+    # init_from gives only what it gave at the start, the shape and the positions continued; the weights,
+    # optimizer and step are the resumed run's.
+    init_ckpt = safe_load(cfg.init_from, mmap=ckpt_path is not None) if cfg.init_from else None
+    init_state = model_state_from_checkpoint(init_ckpt) if init_ckpt is not None and not ckpt_path else None
     for state, path in ((resume_state, ckpt_path), (init_state, cfg.init_from)):
         if state is not None:
             check_finite_weights(state, path)
     base = read_entries(init_ckpt, Path(cfg.init_from))[0] if init_ckpt is not None else None
-    lengths, rope, extend = run_positions(cfg, base)  # RoPE errors before any data work too
+    task = HydraConfig.get().overrides.task
+    named_rope = fields_named(task, "rope")
+    lengths, rope, extend = run_positions(cfg, base, named_rope)  # RoPE errors before any data work too
     if base is not None:  # the weights define the shape: a real model needs no model= of its own
-        model_config = shape_of(base, model_config, model_fields_named(HydraConfig.get().overrides.task))
+        model_config = shape_of(base, model_config, fields_named(task))
 
     datamodule = build(cfg.data)
     if (processes := data_parallel_processes(cfg.trainer)) is not None:  # else checked when fit starts
@@ -278,6 +302,7 @@ def setup_run(cfg: DictConfig):
         tokenizer=tokenizer,
         chars_per_token=datamodule.chars_per_token("val"),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
+        checkpoint_blocks=cfg.checkpoint_blocks,
     )
     if resume_state is not None:  # Lightning loads it in fit, where a mismatch would be a traceback
         check_weights_fit(
@@ -299,7 +324,7 @@ def setup_run(cfg: DictConfig):
     if is_first_process():  # every check passed: the run's own files go in now
         overrides = HydraConfig.get().overrides.task
         write_hydra_config(run_dir, cfg, overrides)
-        shutil.copyfile(tokenizer.path, run_dir / "tokenizer.json")  # the run stays usable if the cache moves
+        copy_tokenizer(tokenizer.path, run_dir)  # the run stays usable if the cache moves
 
     trainer = build_trainer(
         cfg.trainer,

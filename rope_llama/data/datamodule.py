@@ -17,6 +17,7 @@ checkpoints by Lightning) resume the exact batch stream. Validation/test use fix
 or scored (the unweighted loss averaged over the ranks is the one-process batch mean).
 """
 
+import os
 from collections.abc import Mapping
 
 import lightning as L
@@ -206,6 +207,7 @@ class TextDataModule(L.LightningDataModule):
         self.cache: TokenCache | None = None
         self.train_set: RandomWindows | None = None
         self._resume_batches = 0  # from load_state_dict before setup
+        self._given_tokenizer: Tokenizer | None = None  # data.tokenizer_path's file, read once
 
     # -- preparation ---------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -256,7 +258,17 @@ class TextDataModule(L.LightningDataModule):
     # -- what other code reads -------------------------------------------------------------------------
     @property
     def tokenizer(self) -> Tokenizer:
-        return self._prepare().tokenizer
+        """The cache's tokenizer; with data.tokenizer_path, that file itself (the same bytes, checked), so
+        the tokenizer_config.json beside it (an imported model's bos setting, end of turn, chat template)
+        stays with it and checkpoints record where it came from."""
+        cached = self._prepare().tokenizer
+        given = self.hparams.tokenizer_path
+        if given is None or not os.path.isfile(given):
+            return cached
+        if self._given_tokenizer is None:
+            own = Tokenizer.from_file(given)
+            self._given_tokenizer = own if own.sha256 == cached.sha256 else cached
+        return self._given_tokenizer
 
     @property
     def vocab_size(self) -> int:

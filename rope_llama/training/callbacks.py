@@ -125,7 +125,7 @@ class TextSample(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or self.max_new_tokens <= 0:
             return
-        prompt = [self.tokenizer.bos_id, *self.tokenizer.encode(self.prompt)]
+        prompt = self.tokenizer.prompt_ids(self.prompt)  # bos first unless the tokenizer's model takes none
         was_training = pl_module.training
         pl_module.eval()
         # Eager under compile=true: a KV-cache decode has other shapes and arguments than the compiled
@@ -136,7 +136,7 @@ class TextSample(L.Callback):
                 [prompt],
                 self.max_new_tokens,
                 self.sampling,
-                eos_id=self.tokenizer.eos_id,
+                eos_id=self.tokenizer.stop_ids,  # eos, and an instruct model's end of turn
                 seed=0,  # the same draw at every validation, so samples are comparable
             )
         pl_module.train(was_training)

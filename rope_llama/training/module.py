@@ -16,6 +16,7 @@ from rope_llama.model.config import ModelConfig
 from rope_llama.model.llama import Llama
 from rope_llama.training.compile import compile_blocks
 from rope_llama.training.optim import OptimConfig, build_optimizer, lr_multiplier
+from rope_llama.training.recompute import checkpoint_blocks as recompute_blocks
 from rope_llama.training.throughput import matmul_dtype, measure_matmul_peak
 
 if TYPE_CHECKING:
@@ -41,12 +42,15 @@ class LitLlama(L.LightningModule):
         tokenizer: Tokenizer | None = None,
         chars_per_token: float | None = None,
         log_every_n_steps: int = 10,
+        checkpoint_blocks: bool = False,
     ):
         super().__init__()
         self.config = model_config
         self.model = Llama(model_config)
         if kernels:  # kernels/: drop-ins for some modules, same parameters and state dict
             use_kernels(self.model)
+        if checkpoint_blocks:  # recompute each block's activations in the backward (training/recompute.py)
+            recompute_blocks(self.model)
         self.optim = optim or OptimConfig()
         self.max_steps = max_steps
         self.compile_model = compile
