@@ -415,6 +415,7 @@ def test_hydra_multirun_over_two_rope_settings(tmp_path, corpus):
         "rope.factor=2",
         *tiny_overrides(tmp_path, corpus),
         "trainer.max_steps=4",
+        "optim.warmup_steps=2",
         "trainer.val_check_interval=2",
         "sample.max_new_tokens=0",
         f"hydra.sweep.dir={sweep}",

@@ -298,7 +298,7 @@ def in_a_sweep() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return HydraConfig.initialized() and HydraConfig.get().get("mode") == RunMode.MULTIRUN
 
 
 def unused_factor(cfg: DictConfig) -> None:
