@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rope_llama.bench.peers import hf_twin, llama_cpp_model
+from rope_llama.bench.peers import held_out_tokens, hf_twin, llama_cpp_model
 from rope_llama.bench.threads import background_load
 from rope_llama.core.checkpoint import load_checkpoint
-from rope_llama.data.sources import load_documents
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.generation import GREEDY, generate, score_tokens
 from rope_llama.interchange.gguf import gguf_writer, save
@@ -51,15 +50,6 @@ def parse(argv: list[str]) -> dict:
             raise SystemExit(f"error: unknown option {key!r}; options are {', '.join(args)}.")
         args[key] = json.loads(value) if value[:1] in "[0123456789tf" else value
     return args
-
-
-def held_out_tokens(tok: Tokenizer, n: int) -> list[int]:
-    """The first n tokens of the held-out test plays (Hamlet first), in the checkpoint's tokenizer."""
-    text = "\n\n".join(load_documents({"kind": "shakespeare"})["test"])
-    ids = tok.encode(text)
-    if len(ids) < n:
-        raise SystemExit(f"error: the held-out plays have {len(ids)} tokens, fewer than {n}.")
-    return ids[:n]
 
 
 def timed(fn) -> float:

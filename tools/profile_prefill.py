@@ -18,14 +18,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rope_llama.bench.peers import hf_twin
+from rope_llama.bench.peers import held_out_tokens, hf_twin
 from rope_llama.core.checkpoint import load_checkpoint
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.kernels import use_kernels
 from rope_llama.model.kv_cache import KVCache
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_real_model import held_out_tokens  # noqa: E402
 
 DEFAULTS = {"ckpt": "runs/smollm2", "length": 2048, "threads": 2}
 

@@ -14,7 +14,8 @@ import torch
 
 from rope_llama.bench.timing import compute_dtype
 from rope_llama.cli.errors import error_sentence
-from rope_llama.data.tokenizer import train_tokenizer
+from rope_llama.data.sources import load_documents
+from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
 from rope_llama.interchange.gguf import gguf_writer, save
 from rope_llama.interchange.hf import hf_config_dict, to_hf_state_dict
 from rope_llama.kernels import use_kernels
@@ -41,6 +42,15 @@ PEER_PACKAGES = {
 
 
 MODEL_PEERS = ("transformers", "litgpt")  # full torch-model peers; torchtune only takes part in the RoPE op
+
+
+def held_out_tokens(tok: Tokenizer, n: int) -> list[int]:
+    """The first n tokens of the held-out test plays (Hamlet first), in the checkpoint's tokenizer."""
+    text = "\n\n".join(load_documents({"kind": "shakespeare"})["test"])
+    ids = tok.encode(text)
+    if len(ids) < n:
+        raise SystemExit(f"error: the held-out plays have {len(ids)} tokens, fewer than {n}.")
+    return ids[:n]
 
 
 def import_peers(names: list[str]) -> tuple[dict, dict]:
