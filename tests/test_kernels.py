@@ -288,6 +288,31 @@ def test_attention_kernel_equals_plain_and_upcasts_only_a_bf16_backward(mask):
     assert torch.equal(kernel.attend(*x, *args), plain.attend(*x, *args))
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_bf16_decode_query_attends_in_float32_like_the_flash_kernel(heads, kv_heads, masked):
+    """One query per head in bf16 without autograd: `one_query_attention` (float32 matmuls and softmax) is
+    the float32 attention of the same bf16 inputs rounded to bf16, grouped as enable_gqa groups, and
+    at least as close to it as the bf16 flash op; longer queries and autograd keep the flash op."""
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, 1, 16).bfloat16()
+    k, v = (torch.randn(2, kv_heads, 40, 16).bfloat16() for _ in range(2))
+    mask = (torch.rand(2, 1, 1, 40) > 0.4) | (torch.arange(40) == 39) if masked else None
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                           enable_gqa=kv_heads != heads)  # fmt: skip
+    flash = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != heads)
+    got = kernel_attention.one_query_attention(q, k, v, mask)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), exact, atol=1e-6, rtol=2**-8)  # bf16's rounding of it
+    assert (got.float() - exact).abs().max() <= (flash.float() - exact).abs().max() + 1e-6
+    kernel = use_kernels(tiny(n_heads=heads, n_kv_heads=kv_heads, d_model=16 * heads)).blocks[0].attn
+    with torch.no_grad():
+        assert torch.equal(kernel.attend(q, k, v, mask, False, 0.0), got)
+        longer = torch.cat([q, q], dim=2)  # two queries: the flash op, as the plain module runs it
+        assert torch.equal(kernel.attend(longer, k, v, None, False, 0.0),
+                           super(type(kernel), kernel).attend(longer, k, v, None, False, 0.0))  # fmt: skip
+
+
 @pytest.mark.parametrize("grad, dtype", [(True, torch.float32), (False, torch.bfloat16)])
 def test_attention_kernel_upcasts_a_compiled_bf16_backward_too(grad, dtype):
     """Under torch.compile the flash op is still PyTorch's, in the dtype it is given: the graph dynamo

@@ -198,6 +198,26 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
         assert base_end < order.index(("start", finetune))
 
 
+@pytest.mark.parametrize("large_base, trained", [(None, False), (250000.0, True)])
+def test_large_base_null_runs_no_large_base_lane(tmp_path, monkeypatch, large_base, trained):
+    """large_base=null: the study trains and evaluates only the bases (and what else is asked); a number
+    trains the large-base model with that rope.base."""
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    study = config.StudyConfig(out=str(tmp_path), seeds=1, finetune_seeds=0, pose=False, randomized=False,
+                               corpora=["own"], jobs=1, large_base=large_base)  # fmt: skip
+    lanes.run(study, [])
+    runs = [c for c in commands if c[2] == lanes.TRAIN]
+    assert [c[3].rsplit("/", 1)[-1] for c in runs] == ["base_s0", *(["large_base"] if trained else [])]
+    assert trained == any(f"rope.base={large_base}" in c for c in runs)
+
+
 def test_study_finetune_seeds_fine_tunes_each_base_after_its_own_training(tmp_path, monkeypatch):
     """seeds=[7,3] finetune_seeds=2: PI and YaRN fine-tunes of both bases, the first seed's named pi / yarn
     and seed 3's pi_s3 / yarn_s3, each from its own base and started only after that base's training

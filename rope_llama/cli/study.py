@@ -14,7 +14,7 @@ ckpt_path=last):
                                                                    -> out/eval/<corpus>/base_s<k>
   3. fine-tune the first `finetune_seeds` bases at 1024 with PI and with YaRN (experiment=extend_context:
      pi, yarn from the first seed's base, pi_s<k>, yarn_s<k> from seed k's), evaluate their own RoPE
-  4. train a model with a larger RoPE base (seed 0), evaluate it with `none`; with `pose`, fine-tune the same
+  4. train a model with a larger RoPE base (seed 0; large_base=null: none), evaluate it with `none`; with `pose`, fine-tune the same
      bases with PoSE (experiment=pose: 256-token windows whose position ids span 4L or 16L, same steps and
      tokens as the full-length fine-tunes; the base's RoPE, PI or YaRN: pose4_none, pose4_pi, ..., pose16_yarn);
      with `randomized`, train a base from scratch on randomized position ids (experiment=randomized_positions,

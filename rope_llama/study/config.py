@@ -35,7 +35,7 @@ class StudyConfig:
     # (the fine-tunes start from it with that experiment: recipe=null for a default-job model)
     base_ckpt: str | None = None
     large_base_ckpt: str | None = None  # reuse a trained large-base model instead of step 4
-    large_base: float = 500000.0
+    large_base: float | None = 500000.0  # rope.base of the large-base model; null: no large-base model
     pose: bool = True  # PoSE fine-tunes of the fine-tuned seeds' bases (POSE_FINETUNES)
     randomized: bool = True  # a base trained from scratch on randomized position ids (seed 0)
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])

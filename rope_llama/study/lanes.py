@@ -225,8 +225,14 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
 
     # after the bases, the longest lanes first (a base trained from scratch takes twice a fine-tune's lane), so
     # that they do not end the study alone on one core; the fine-tunes fill the other workers
-    extra = [randomized_lane] if cfg.randomized else []
-    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), large_base_lane, *extra,
+    large = cfg.large_base is not None or cfg.large_base_ckpt is not None
+    extra = [*([large_base_lane] if large else []), *([randomized_lane] if cfg.randomized else [])]
+    steps.run_lanes([*(lambda k=k: base_lane(k) for k in seeds), *extra,
                      *(lambda name=name: extend_lane(name) for name in finetunes)])  # fmt: skip
-    models = [*bases, *finetunes, "large_base", *([RANDOMIZED] if cfg.randomized else [])]
+    models = [
+        *bases,
+        *finetunes,
+        *(["large_base"] if large else []),
+        *([RANDOMIZED] if cfg.randomized else []),
+    ]
     summarise(cfg, out, models, base_len, train_extra, seeds)

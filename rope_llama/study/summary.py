@@ -40,11 +40,12 @@ def summarise(
             if finetuned
             else "no fine-tunes; "
         )
-        + "`large_base` "
         + (
-            f"reused from {cfg.large_base_ckpt}. "
+            f"`large_base` reused from {cfg.large_base_ckpt}. "
             if cfg.large_base_ckpt
-            else f"(seed 0) trained with rope.base={cfg.large_base:g}. "
+            else f"`large_base` (seed 0) trained with rope.base={cfg.large_base:g}. "
+            if cfg.large_base is not None
+            else "no large-base model. "
         )
         + (f"Every training ran with `{' '.join(train_extra)}`. " if train_extra else "")
         + f"Corpora: {', '.join(cfg.corpora)} (own = the training data's held-out test split). Per-model tables and "
