@@ -196,6 +196,30 @@ def test_native_decode_equals_the_full_forward(tok, rope, kv_heads):
         assert a.argmax() == b.argmax(), step
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_bf16_native_decode_is_the_float32_forward_of_its_weights(tok, kv_heads):
+    """Weights and KV cache in bf16 (the -DROPE_BF16 library): each step computes in float32, so its logits
+    follow the float32 forward of the same bf16 weights more closely than torch's bf16 forward does (both
+    read the cache the bf16 prefill wrote) and stay within a few bf16 roundings of it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads,
+                      init_std=0.3, rope=NATIVE_ROPES["none"])  # fmt: skip
+    model = Llama(cfg).eval().to(torch.bfloat16)
+    exact = copy.deepcopy(model).float()  # the same bf16 weights, float32 arithmetic
+    prompt, start = prompt_ids(tok, "ROMEO: But soft"), 40
+    native, torch_bf16 = native_logits(model, prompt, 16, start_pos=start)
+    with torch.inference_mode():
+        first = model(torch.tensor([prompt]), position_ids=torch.arange(start, start + len(prompt))[None])
+        seq = prompt + [int(first[0, -1].argmax())] + [int(n.argmax()) for n in native[:-1]]
+        positions = torch.arange(start, start + len(seq))[None]
+        reference = exact(torch.tensor([seq]), position_ids=positions)[0, len(prompt) :]  # (16, V)
+    assert all(n.dtype == torch.float32 for n in native)
+    native_error = max((n - r).abs().max().item() for n, r in zip(native, reference))
+    torch_error = max((t.float() - r).abs().max().item() for t, r in zip(torch_bf16, reference))
+    assert native_error < torch_error
+    assert native_error < 0.05 * reference.abs().max().item()
+
+
 def test_native_generate_equals_eager_and_threads_agree(model, tok):
     """generate(native=True) picks the eager loop's greedy tokens; with 1 or 2 threads the C step
     gives bit-identical logits (each output row is summed by one thread)."""
@@ -211,12 +235,20 @@ def test_native_generate_equals_eager_and_threads_agree(model, tok):
     assert all(torch.equal(a, b) for a, b in zip(one_thread, two_threads))
 
 
+def mixed_precision(model: Llama) -> Llama:
+    """A copy whose final norm is bf16 and every other weight float32."""
+    mixed = copy.deepcopy(model)
+    mixed.norm.to(torch.bfloat16)
+    return mixed
+
+
 def test_native_decode_refuses_what_it_cannot_compute(model, tok):
     prompt = prompt_ids(tok, "ROMEO:")
     for kwargs, message in [
         (dict(prompts=[prompt, prompt]), "runs one sequence; got a batch of 2"),
         (dict(compile=True), "choose one of them"),
-        (dict(model=copy.deepcopy(model).to(torch.bfloat16)), "runs in float32"),
+        (dict(model=copy.deepcopy(model).to(torch.float64)), "in float32 or in bfloat16; got float64"),
+        (dict(model=mixed_precision(model)), "in float32 or in bfloat16; got bfloat16, float32"),
     ]:
         args = dict(model=model, prompts=[prompt], max_new_tokens=4, sampling=GREEDY, native=True) | kwargs
         with pytest.raises(GenerationError, match=message):

@@ -4,9 +4,11 @@ process: decode, prefill and scoring throughput, ratios, and each workload's flo
     python tools/bench_real_model.py ckpt=runs/smollm2 gguf=<the original .gguf> threads=2 lengths=[2048,8192]
     python tools/bench_real_model.py ckpt=runs/smollm2 gguf=... threads=1 load=true   # beside another job
 
-Sides: ours in bf16 and fp32; transformers' LlamaForCausalLM with the same weights (bench/peers.py's twin)
-in bf16 and fp32; llama.cpp on an f16 re-export of the same weights (our exporter writes f32 / f16: the
-nearest to bf16) and on the original quantized file (reported, not a target). Decode: greedy tokens after a
+Sides: ours in bf16 and fp32 (decode also through the compiled step and the C step, `native`);
+transformers' LlamaForCausalLM with the same weights (bench/peers.py's twin) in bf16 and fp32; llama.cpp on
+an f16 re-export of the same weights (our exporter writes f32 / f16: the nearest to bf16), on an f32 one
+(decode only: the equal-precision peer of our fp32 step) and on the original quantized file (reported, not
+a target). Decode: greedy tokens after a
 `prompt_len`-token prompt of a held-out play, the decode steps alone timed. Prefill: the prompt into an empty
 KV cache. Scoring: every token's loss (ours: score_tokens in chunks; transformers: one forward and the
 cross-entropy of all logits; llama.cpp: an eval with every position's logits). Prefill and scoring are the
@@ -73,10 +75,10 @@ def ours_sides(model) -> dict:
     }
 
 
-def ours_compiled_decode(model, prompt: list[int], n: int) -> tuple[float, float]:
-    """The torch.compile'd decode step (generate.py compile=true), built in the warm-up call."""
-    out = generate(model, [prompt], n, GREEDY, compile=True)
-    return out.prefill_tokens_per_s, out.decode_tokens_per_s
+def ours_decode_through(model, prompt: list[int], n: int, **path: bool) -> float:
+    """Decode tokens/s through another step: compile=True (torch.compile'd, built in the warm-up call)
+    or native=True (the C step of kernels/cpu_decode.c)."""
+    return generate(model, [prompt], n, GREEDY, **path).decode_tokens_per_s
 
 
 def hf_sides(model) -> dict:
@@ -150,8 +152,9 @@ def main(argv: list[str]) -> dict:
     lengths = sorted(int(t) for t in args["lengths"])
     tokens = held_out_tokens(tok, max(lengths + [args["prompt_len"]]) + 1)
     workdir = Path(tempfile.mkdtemp(prefix="bench-real-"))
-    f16 = workdir / "f16.gguf"
-    save(gguf_writer(cfg, model.state_dict(), tok, "f16", name="bench"), f16)
+    exports = {precision: workdir / f"{precision}.gguf" for precision in ("f16", "f32")}
+    for precision, path in exports.items():
+        save(gguf_writer(cfg, model.state_dict(), tok, precision, name="bench"), path)
     results = {"args": args, "threads": torch.get_num_threads(), "machine": platform_line()}
     results["loadavg"] = {"start": os.getloadavg()}  # 1, 5, 15 minutes: what else the cores were doing
     with background_load(bool(args["load"])):
@@ -159,7 +162,8 @@ def main(argv: list[str]) -> dict:
         peak = {name: measure_matmul_peak(torch.device("cpu"), dtype, n=2048)
                 for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}  # fmt: skip
         sides = ours_sides(model) | hf_sides(model)
-        cpp = {"llama_cpp_f16": f16} | ({"llama_cpp_original": Path(args["gguf"])} if args["gguf"] else {})
+        cpp = {f"llama_cpp_{p}": path for p, path in exports.items()}
+        cpp |= {"llama_cpp_original": Path(args["gguf"])} if args["gguf"] else {}
         llms = {name: llama_cpp_model(path, max(lengths) + 64, threads=int(args["threads"]),
                                       extra_buffers=False) for name, path in cpp.items()}  # fmt: skip
         prompt = tokens[: args["prompt_len"]]
@@ -169,11 +173,17 @@ def main(argv: list[str]) -> dict:
             fn(side, prompt[:64], 4)  # warm-up
             prefill[name, len(prompt)], decode[name] = fn(side, prompt, args["new_tokens"])
             print(f"[bench] {name}: decode {decode[name]:.1f} tokens/s; {load_line()}", file=sys.stderr)
-        if args["compile"]:  # decode only: the compiled step serves one-token forwards
-            ours_compiled_decode(sides["ours_bf16"], prompt[:64], 4)
-            decode["ours_bf16_compiled"] = ours_compiled_decode(
-                sides["ours_bf16"], prompt, args["new_tokens"]
-            )[1]
+        paths = [("bf16_native", "bf16", {"native": True}), ("fp32_native", "fp32", {"native": True})]
+        paths += [("bf16_compiled", "bf16", {"compile": True})] if args["compile"] else []
+        for name, precision, path in paths:  # decode only: these steps serve one-token forwards
+            ours_decode_through(sides[f"ours_{precision}"], prompt[:64], 4, **path)
+            decode[f"ours_{name}"] = ours_decode_through(
+                sides[f"ours_{precision}"], prompt, args["new_tokens"], **path
+            )
+            print(
+                f"[bench] ours_{name}: decode {decode[f'ours_{name}']:.1f} tokens/s; {load_line()}",
+                file=sys.stderr,
+            )
         for name, llm in llms.items():
             llama_cpp_decode(llm, prompt[:64], 4)
             prefill[name, len(prompt)], decode[name] = llama_cpp_decode(llm, prompt, args["new_tokens"])
@@ -195,6 +205,8 @@ def main(argv: list[str]) -> dict:
                             else hf_score(side, ids)
                         ))  # fmt: skip
                 for name, llm in llms.items():
+                    if name == "llama_cpp_f32":
+                        continue  # decode's equal-precision peer only
                     best(prefill, (name, length), llama_cpp_decode(llm, window[:length], 2)[0])
                     if args["scoring"]:
                         best(scoring, (name, length), llama_cpp_score(llm, window))
@@ -244,12 +256,19 @@ def markdown(r: dict, prompt_len: int, lengths: list[int]) -> str:
     ]
     out += [f"threads {r['threads']}; copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; matmul peak "
            f"bf16 {r['matmul_peak_flops']['bf16'] / 1e9:.0f}, fp32 {r['matmul_peak_flops']['fp32'] / 1e9:.0f} GFLOP/s", ""]  # fmt: skip
-    out += [f"| decode (tokens/s, prompt {prompt_len}) | value | ours_bf16 / it |", "|---|---|---|"]
-    for name, v in r["decode"].items():
-        out.append(f"| {name} | {v:.1f} | {r['decode']['ours_bf16'] / v:.2f} |")
+    decode = r["decode"]
+    fastest = {p: max(v for k, v in decode.items() if k.startswith(f"ours_{p}")) for p in ("bf16", "fp32")}
+    out += [f"| decode (tokens/s, prompt {prompt_len}) | value | ours_bf16 / it | fastest ours at its precision / it |",
+            "|---|---|---|---|"]  # fmt: skip
+    for name, v in decode.items():
+        precision = "fp32" if name.endswith(("fp32", "f32")) or "fp32_" in name else "bf16"
+        out.append(
+            f"| {name} | {v:.1f} | {decode['ours_bf16'] / v:.2f} | {fastest[precision] / v:.2f} ({precision}) |"
+        )
     out.append(
         f"| floor (bf16 bytes / bandwidth) | {floor[prompt_len]['decode_bf16']:.1f} | ours_bf16 = "
-        f"{r['decode']['ours_bf16'] / floor[prompt_len]['decode_bf16']:.2f} of it |"
+        f"{decode['ours_bf16'] / floor[prompt_len]['decode_bf16']:.2f} of it | fastest bf16 = "
+        f"{fastest['bf16'] / floor[prompt_len]['decode_bf16']:.2f} of it |"
     )
     for kind in ("prefill", "scoring"):
         if not r[kind]:

@@ -28,8 +28,9 @@ DECODERS = {"native": dict(native=True), "compiled": dict(compile=True), "eager"
 
 def our_decoders(args: dict, device: torch.device) -> list[str]:
     """Our decode paths to time, fastest first: the first is "ours" in the ratios and the targets,
-    the others are reported beside it as ours_<path>. The C step runs on the CPU in float32 only."""
-    native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) == torch.float32
+    the others are reported beside it as ours_<path>. The C step runs on the CPU in float32 or bf16."""
+    native_dtypes = (torch.float32, torch.bfloat16)
+    native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) in native_dtypes
     return ["native"] * native + ["compiled"] * bool(args["compile_decode"]) + ["eager"]
 
 

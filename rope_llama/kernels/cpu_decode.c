@@ -1,4 +1,5 @@
-/* One decode step of model/llama.py's Llama for ONE sequence, float32, on the CPU.
+/* One decode step of model/llama.py's Llama for ONE sequence, on the CPU: weights and KV cache in float32, or
+ * in bfloat16 when compiled with -DROPE_BF16 (every activation still float32).
  *
  * Why C: a batch-1 decode step is bound by reading the weights (16 MiB for the default model), and
  * the torch / torch.compile step spends about as long again between its dozens of kernels, each with
@@ -11,42 +12,99 @@
  * R = rotary dims (<= D). Weights are row-major torch tensors: qkv (H*D + 2*KV*D, C), o_proj
  * (C, H*D), gate_up (2F, C), down (C, F), embed / head (V, C). The cache of each layer is the
  * (1, KV, capacity, D) tensor of model/kv_cache.py; keys are stored after rotation.
+ *
+ * bf16: a batch-1 step reads every weight once, so half the bytes of float32 is up to twice the speed; a bf16
+ * number is the upper half of a float32, so loading one is a shift, and a key or value written to the cache is
+ * rounded to nearest even, as torch's .to(torch.bfloat16).
  */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__) /* AVX-512 CPUs have both */
 #include <immintrin.h>
+#endif
+
+#ifdef ROPE_BF16
+typedef uint16_t real; /* how weights and the KV cache are stored */
+static inline float to_float(real h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline real from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (real)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    return (real)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+typedef float real;
+static inline float to_float(real x) { return x; }
+static inline real from_float(float x) { return x; }
+#endif
+
+#ifdef __AVX512F__
+static inline __m512 load16(const real *p) { /* 16 stored numbers as floats */
+#ifdef ROPE_BF16
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const real *p) { /* 8 stored numbers as floats */
+#ifdef ROPE_BF16
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
 #endif
 
 typedef struct {
     int n_layers, d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab, rotary_dim, interleaved,
         capacity, n_threads;
     float eps;
-    const float *embed, *head, *final_norm;
-    const float **attn_norm, **qkv, **o_proj, **mlp_norm, **gate_up, **down; /* [n_layers] */
-    float **k_cache, **v_cache;                                             /* [n_layers] */
+    const real *embed, *head, *final_norm;
+    const real **attn_norm, **qkv, **o_proj, **mlp_norm, **gate_up, **down; /* [n_layers] */
+    real **k_cache, **v_cache;                                             /* [n_layers] */
     float *x, *xn, *qkv_out, *attn, *ffn, *hidden, *scores; /* scratch: C, C, (H+2KV)*D, H*D, 2F, F, H*capacity */
 } Model;
 
-/* y (n) = W (n, k) @ x (k), or y += W @ x: rows split over the threads (inside a parallel region). */
-static void matvec(const float *restrict W, const float *restrict x, float *restrict y, int n, int k,
+/* y (n) = W (n, k) @ x (k), or y += W @ x: rows split over the threads (inside a parallel region). bf16
+ * rows are widened 16 (AVX-512) or 8 (AVX2) at a time: GCC does not vectorize the scalar widening. */
+static void matvec(const real *restrict W, const float *restrict x, float *restrict y, int n, int k,
                    int accumulate) {
 #pragma omp for schedule(static)
     for (int i = 0; i < n; i++) {
-        const float *w = W + (size_t)i * k;
+        const real *w = W + (size_t)i * k;
         float acc = 0.f;
+        int j = 0;
+#if defined(ROPE_BF16) && defined(__AVX512F__)
+        __m512 sum = _mm512_setzero_ps();
+        for (; j + 16 <= k; j += 16) sum = _mm512_fmadd_ps(load16(w + j), _mm512_loadu_ps(x + j), sum);
+        acc = _mm512_reduce_add_ps(sum);
+#elif defined(ROPE_BF16) && defined(__AVX2__) && defined(__FMA__)
+        __m256 sum = _mm256_setzero_ps();
+        for (; j + 8 <= k; j += 8) sum = _mm256_fmadd_ps(load8(w + j), _mm256_loadu_ps(x + j), sum);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sum);
+        for (int l = 0; l < 8; l++) acc += lanes[l];
+#endif
 #pragma omp simd reduction(+ : acc)
-        for (int j = 0; j < k; j++) acc += w[j] * x[j];
+        for (int r = j; r < k; r++) acc += to_float(w[r]) * x[r];
         y[i] = accumulate ? y[i] + acc : acc;
     }
 }
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight (nn.RMSNorm); d_model floats, one thread. */
-static void rmsnorm(const float *x, const float *weight, float *out, int n, float eps) {
+static void rmsnorm(const float *x, const real *weight, float *out, int n, float eps) {
     float sum_sq = 0.f;
     for (int i = 0; i < n; i++) sum_sq += x[i] * x[i];
     const float rstd = 1.f / sqrtf(sum_sq / n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * rstd * weight[i];
+    for (int i = 0; i < n; i++) out[i] = x[i] * rstd * to_float(weight[i]);
 }
 
 /* Rotate the first R channels of one head: x * cos + rotate(x) * sin, with rotate_half (-x2, x1)
@@ -116,13 +174,13 @@ static float exp_shifted_sum(float *s, int n, float shift) {
  * Summing each key's vector across its lanes one key at a time costs more than the products; here
  * the 16 vectors are added in a transposing tree (pairs of lanes, of 64-bit halves, of 128-bit
  * blocks), about 3 instructions per key. */
-static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
+static inline __m512 dot16(const float *q, const real *keys, int head_dim) {
     __m512 v[16], w[8], x[4], z[2];
     for (int i = 0; i < 16; i++) {
-        const float *k = keys + (size_t)i * head_dim;
-        v[i] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        const real *k = keys + (size_t)i * head_dim;
+        v[i] = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
         for (int d = 16; d < head_dim; d += 16)
-            v[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), v[i]);
+            v[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), v[i]);
     }
     for (int i = 0; i < 8; i++) /* per 128-bit block: lanes of keys 2i, 2i+1 interleaved */
         w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -139,13 +197,13 @@ static inline __m512 dot16(const float *q, const float *keys, int head_dim) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* dot16's tree for 8-lane AVX2 (head_dim a multiple of 8): the 8 dot products of 8 consecutive keys. */
-static inline __m256 dot8(const float *q, const float *keys, int head_dim) {
+static inline __m256 dot8(const float *q, const real *keys, int head_dim) {
     __m256 v[8], w[4], x[2];
     for (int i = 0; i < 8; i++) {
-        const float *k = keys + (size_t)i * head_dim;
-        v[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        const real *k = keys + (size_t)i * head_dim;
+        v[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
         for (int d = 8; d < head_dim; d += 8)
-            v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v[i]);
+            v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), v[i]);
     }
     for (int i = 0; i < 4; i++) /* per 128-bit half: lanes of keys 2i, 2i+1 interleaved */
         w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -162,7 +220,7 @@ static inline __m256 dot8(const float *q, const float *keys, int head_dim) {
 /* The `group` query heads of one KV head (GQA) over its n cached keys: softmax(q k^T / sqrt(D)) v.
  * q, out: (group, D); keys, values: (n, D); scores: (group, stride). Each key and value row comes
  * from memory once for the whole group. */
-static void attend(const float *q, const float *keys, const float *values, float *scores, float *out,
+static void attend(const float *q, const real *keys, const real *values, float *scores, float *out,
                    int group, int n, int head_dim, int stride) {
     const float scale = 1.f / sqrtf((float)head_dim);
     int j = 0;
@@ -182,12 +240,12 @@ static void attend(const float *q, const float *keys, const float *values, float
                                                _mm256_set1_ps(scale)));
 #endif
     for (; j < n; j++) { /* the keys left over (all of them without AVX-512 or AVX2) */
-        const float *k = keys + (size_t)j * head_dim;
+        const real *k = keys + (size_t)j * head_dim;
         for (int a = 0; a < group; a++) {
             const float *qa = q + a * head_dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head_dim; d++) dot += qa[d] * k[d];
+            for (int d = 0; d < head_dim; d++) dot += qa[d] * to_float(k[d]);
             scores[(size_t)a * stride + j] = dot * scale;
         }
     }
@@ -201,12 +259,12 @@ static void attend(const float *q, const float *keys, const float *values, float
     }
     memset(out, 0, sizeof(float) * group * head_dim);
     for (int j = 0; j < n; j++) {
-        const float *v = values + (size_t)j * head_dim;
+        const real *v = values + (size_t)j * head_dim;
         for (int a = 0; a < group; a++) {
             const float p = scores[(size_t)a * stride + j];
             float *oa = out + a * head_dim;
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) oa[d] += p * v[d];
+            for (int d = 0; d < head_dim; d++) oa[d] += p * to_float(v[d]);
         }
     }
 }
@@ -216,11 +274,11 @@ static void attend(const float *q, const float *keys, const float *values, float
 void native_step(const Model *m, int token, int slot, const float *cos, const float *sin, float *logits) {
     const int C = m->d_model, H = m->n_heads, KV = m->n_kv_heads, D = m->head_dim, F = m->ffn_hidden;
     const int group = H / KV; /* query heads per KV head */
-    memcpy(m->x, m->embed + (size_t)token * C, sizeof(float) * C);
+    for (int c = 0; c < C; c++) m->x[c] = to_float(m->embed[(size_t)token * C + c]);
 #pragma omp parallel num_threads(m->n_threads)
     {
         for (int layer = 0; layer < m->n_layers; layer++) {
-            float *k_cache = m->k_cache[layer], *v_cache = m->v_cache[layer];
+            real *k_cache = m->k_cache[layer], *v_cache = m->v_cache[layer];
 #pragma omp single
             rmsnorm(m->x, m->attn_norm[layer], m->xn, C, m->eps); /* (each construct ends in a barrier) */
             matvec(m->qkv[layer], m->xn, m->qkv_out, (H + 2 * KV) * D, C, 0);
@@ -230,8 +288,10 @@ void native_step(const Model *m, int token, int slot, const float *cos, const fl
                     rope(m->qkv_out + h * D, cos, sin, m->rotary_dim, m->interleaved);
                 for (int g = 0; g < KV; g++) {
                     const size_t at = ((size_t)g * m->capacity + slot) * D;
-                    memcpy(k_cache + at, m->qkv_out + (H + g) * D, sizeof(float) * D);
-                    memcpy(v_cache + at, m->qkv_out + (H + KV + g) * D, sizeof(float) * D);
+                    for (int d = 0; d < D; d++) {
+                        k_cache[at + d] = from_float(m->qkv_out[(H + g) * D + d]);
+                        v_cache[at + d] = from_float(m->qkv_out[(H + KV + g) * D + d]);
+                    }
                 }
             }
 #pragma omp for schedule(static)

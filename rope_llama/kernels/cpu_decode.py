@@ -2,7 +2,8 @@
 
 A drop-in for generation's eager one-token step (inference/generation.py `EagerStep`), checked
 against the torch forward (tests/test_generate.py). `generate(..., native=True)` (and
-`generate.py native=true`) decodes through it: one sequence, float32, on the CPU. The prompt still
+`generate.py native=true`) decodes through it: one sequence, on the CPU, weights and KV cache in float32
+or in bfloat16 (a second library built with -DROPE_BF16; activations stay float32). The prompt still
 goes through the torch forward, which fills the same KV cache the C step then reads and extends.
 Why C: kernels/cpu_decode.c, first comment.
 
@@ -53,8 +54,9 @@ def c_compiler() -> str:
     return found
 
 
-def build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target`, atomically: a concurrent process sees the whole library or none."""
+def build(compiler: str, target: Path, defines: tuple[str, ...] = ()) -> None:
+    """Compile SOURCE (with the -D `defines`) into `target`, atomically: a concurrent process sees the
+    whole library or none."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         workdir = tempfile.TemporaryDirectory(dir=target.parent)
@@ -67,7 +69,9 @@ def build(compiler: str, target: Path) -> None:
         out = Path(tmp) / target.name
         for flags in (FLAGS + WIDE_VECTORS, FLAGS):
             run = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True
+                [compiler, *flags, *defines, str(SOURCE), "-o", str(out), "-lm"],
+                capture_output=True,
+                text=True,
             )
             if run.returncode == 0:
                 os.replace(out, target)
@@ -112,15 +116,24 @@ def cpu_features() -> str:
     return cpuinfo_value("flags", "Features") or platform.processor()
 
 
+# The library for each storage dtype of weights and KV cache: its -D switches.
+DEFINES = {torch.float32: (), torch.bfloat16: ("-DROPE_BF16",)}
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The compiled C step, built on first use and loaded once per process."""
-    compiler = c_compiler()
-    key = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), cpu_features().encode()]
+def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """The compiled C step for weights and cache in `dtype`, built on first use and loaded once per process."""
+    compiler, defines = c_compiler(), DEFINES[dtype]
+    key = [
+        SOURCE.read_bytes(),
+        " ".join(FLAGS + list(defines)).encode(),
+        compiler.encode(),
+        cpu_features().encode(),
+    ]
     tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
     target = cache_dir() / f"cpu_decode-{platform.machine()}-{tag}.so"
     if not target.exists():
-        build(compiler, target)
+        build(compiler, target, defines)
     lib = ctypes.CDLL(str(target))
     pointer = ctypes.c_void_p
     lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
@@ -133,8 +146,12 @@ def check_supported(model, cache) -> None:
     tensors = [*model.parameters(), *cache.k, *cache.v]
     if any(t.device.type != "cpu" for t in tensors):
         raise NativeDecodeUnavailable("native decoding runs on the CPU; the model or its cache is elsewhere.")
-    if any(t.dtype != torch.float32 for t in tensors):
-        raise NativeDecodeUnavailable("native decoding runs in float32; use dtype=float32.")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= set(DEFINES):
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise NativeDecodeUnavailable(
+            f"native decoding runs with every weight and the KV cache in float32 or in bfloat16; got {names}."
+        )
     if cache.batch_size != 1 or cache.key_mask is not None:
         raise NativeDecodeUnavailable(
             f"native decoding runs one sequence; got a batch of {cache.batch_size} (use compile=true)."
@@ -163,7 +180,7 @@ class NativeStep:
 
     def __init__(self, model, cache, position_ids: torch.Tensor):
         check_supported(model, cache)
-        self.lib, self.cache = library(), cache
+        self.lib, self.cache = library(model.embed.weight.dtype), cache
         cfg, blocks = model.config, model.blocks
         # cos/sin of every slot's position, (1, slots, R) -> (slots, R)
         cos, sin = model.rope.cos_sin(position_ids, torch.float32, seq_len=cache.seq_len)
