@@ -17,7 +17,7 @@ from rope_llama.bench.peers import LLAMA_CPP, LlamaCppTwin, build_models, write_
 from rope_llama.bench.timing import alternate, compute_dtype, ratios, sync
 from rope_llama.inference.generation import GREEDY, CompiledStep, EagerStep, generate
 from rope_llama.kernels import use_kernels
-from rope_llama.kernels.cpu_decode import NativeStep
+from rope_llama.kernels.cpu_decode import DEFINES, NativeStep
 from rope_llama.model.config import ModelConfig
 from rope_llama.model.extend import ExtendConfig
 from rope_llama.model.kv_cache import KVCache
@@ -29,8 +29,7 @@ DECODERS = {"native": dict(native=True), "compiled": dict(compile=True), "eager"
 def our_decoders(args: dict, device: torch.device) -> list[str]:
     """Our decode paths to time, fastest first: the first is "ours" in the ratios and the targets,
     the others are reported beside it as ours_<path>. The C step runs on the CPU in float32 or bf16."""
-    native_dtypes = (torch.float32, torch.bfloat16)
-    native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) in native_dtypes
+    native = args["native_decode"] and device.type == "cpu" and compute_dtype(args, device) in DEFINES
     return ["native"] * native + ["compiled"] * bool(args["compile_decode"]) + ["eager"]
 
 

@@ -53,10 +53,13 @@ class KernelAttention(Attention):
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype != torch.bfloat16:
             return super().attend(q, k, v, mask, is_causal, dropout_p)
+        decode_step = q.shape[2] == 1 and not is_causal and dropout_p == 0.0
         if not backward_follows(q, k, v):
-            if q.shape[2] == 1 and not is_causal and dropout_p == 0.0:  # a decode step
-                return one_query_attention(q, k, v, mask)
-            return super().attend(q, k, v, mask, is_causal, dropout_p)
+            return (
+                one_query_attention(q, k, v, mask)
+                if decode_step
+                else super().attend(q, k, v, mask, is_causal, dropout_p)
+            )
         with torch.autocast("cpu", enabled=False):
             y = super().attend(q.float(), k.float(), v.float(), mask, is_causal, dropout_p)
         return y.to(q.dtype)
