@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rope_llama.inference.retrieval import NEEDLE, QUESTION, passkey_prompt
+from rope_llama.inference.retrieval import NEEDLE, QUESTION, build_prompt
 from tests.helpers import save_run, tiny
 from tools.copy_attention import (
     CopyAttentionConfig,
@@ -21,16 +21,16 @@ from tools.copy_attention import (
 
 def test_answer_positions_split_the_needle_from_the_filler(macbeth_tokenizer):
     tok = macbeth_tokenizer
-    prompt = passkey_prompt(tok, 256, 0.5, np.random.default_rng(0))
+    prompt = build_prompt("passkey", tok, 256, 0.5, np.random.default_rng(0))
     needle, others = answer_positions(prompt.tokens, prompt.needle_start)
     key = tok.encode(f" {prompt.answer}")
     assert prompt.tokens[needle : needle + len(key)] == key  # the key starts right after the needle's " is"
     is_id = prompt.tokens[-1]
     assert all(prompt.tokens[p - 1] == is_id for p in others) and needle not in others
     assert len(others) == prompt.tokens[:-2].count(is_id) - 1  # every earlier " is" but the needle's
-    assert asking(prompt, tok, QUESTION) == prompt
+    assert asking(prompt, tok, "".join(QUESTION)) == prompt
     other = asking(prompt, tok, " What is the black ring? The black ring is")
-    n_question = len(tok.encode(QUESTION))
+    n_question = len(tok.encode("".join(QUESTION)))
     assert other.tokens[:-n_question] == prompt.tokens[:-n_question] != other.tokens
     assert (
         tok.decode(other.tokens).endswith("? The black ring is") and other.needle_start == prompt.needle_start
@@ -38,7 +38,7 @@ def test_answer_positions_split_the_needle_from_the_filler(macbeth_tokenizer):
     with pytest.raises(ValueError, match="question must be a non-empty text"):
         asking(prompt, tok, " ")
     cut = without_needle(prompt, tok)
-    assert tok.decode(cut).count(str(prompt.answer)) == 0 and tok.decode(cut).endswith(QUESTION)
+    assert tok.decode(cut).count(str(prompt.answer)) == 0 and tok.decode(cut).endswith("".join(QUESTION))
     assert len(prompt.tokens) - len(cut) == len(tok.encode(NEEDLE.format(key=prompt.answer)))
     with pytest.raises(ValueError, match="does not occur in its needle"):
         answer_positions([5, 6, 7, 5], needle_start=3)

@@ -397,7 +397,7 @@ def test_batched_passkey_answers_equal_each_prompt_alone(run_dir, tok, method):
         build_prompt(task, tok, length, 0.5, rng)
         for task, length in (("passkey", 200), ("multikey", 400), ("passkey", 260))
     ]
-    candidates = [passkey.candidate_tokens(tok, p.answer, rng, 4) + [tok.encode(" 7")] for p in prompts]
+    candidates = [passkey.candidate_tokens(tok, p.answers, rng, 4) + [tok.encode(" 7")] for p in prompts]
     assert len({len(p.tokens) for p in prompts}) == 3  # really padded
     batched = passkey.answer_prompts(model, tok, prompts, candidates, max_new_tokens=6, rows=3)
     for row, p, c in zip(batched, prompts, candidates):  # the margin's sign: did greedy begin with the key?

@@ -27,7 +27,7 @@ from tests.helpers import compose_train, small_corpus
 from tests.test_retrieval import macbeth_bpe
 
 # The evaluation prompts' wording: no sentence of it (nor its distinctive words) may be trained on.
-EVAL_TEXTS = (INTRO, FILLER, NEEDLE, QUESTION, *retrieval.WORDING)
+EVAL_TEXTS = (INTRO, FILLER, NEEDLE, *QUESTION, *retrieval.WORDING)
 SUITE_WORDS = {"pass", "key", "grass", "sky", "sun", "green", "blue", "yellow", "important", "irrelevant",
               "memorize", "quiz", "remember", "var", "value", "special"}  # fmt: skip
 

@@ -113,10 +113,10 @@ def test_passkey_uses_the_passkey_wording_and_its_key_only_in_the_needle(tok):
     for _, _, p in prompts(tok, "passkey"):
         text = tok.decode(p.tokens)
         needle = NEEDLE.format(key=p.answer)
-        assert text.startswith("<|bos|>" + INTRO) and text.endswith(QUESTION)
+        assert text.startswith("<|bos|>" + INTRO) and text.endswith("".join(QUESTION))
         assert text.count(needle) == 1 and str(p.answer) not in text.replace(needle, "")
         assert (
-            text.replace(needle, "").replace(INTRO, "").replace(QUESTION, "").replace("<|bos|>", "")
+            text.replace(needle, "").replace(INTRO, "").replace("".join(QUESTION), "").replace("<|bos|>", "")
             in FILLER * 100
         )
 

@@ -16,6 +16,7 @@ import pytest
 from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.inference.stats import wilson_interval
 from rope_llama.study import config, lanes, tables
+from rope_llama.study.config import ZERO_SHOT
 from tests.helpers import ROOT, compose_train, small_corpus
 
 
@@ -374,7 +375,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
         assert (study_dir / name).is_file()
     with open(study_dir / "paired_ppl.csv") as f:
         paired = list(csv.DictReader(f))
-    n_methods = len(lanes.ZERO_SHOT.strip("[]").split(","))
+    n_methods = len(ZERO_SHOT)
     base = [r for r in paired if r["model"] == "base"]
     assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
     # the best zero-shot method, pi, yarn, six PoSE fine-tunes, the large base and the randomized one
@@ -533,3 +534,71 @@ def test_study_retrieval_tables_compare_first_token_margins():
     assert "### passkey: first-token margin (nats)" in text
     assert f"| base/yarn | {yarn['margin_mean']:+.2f} [" in text
     assert "(margin), base models, T = 512: significant orderings (95%): yarn < none" in text
+
+
+def imported_base(tmp_path: Path, context_len: int = 8192) -> Path:
+    """A checkpoint with no training config beside it (as import_gguf.py writes) claiming `context_len`."""
+    from rope_llama.core.checkpoint import weights_checkpoint
+    from rope_llama.model.config import ModelConfig
+    from rope_llama.model.llama import Llama
+
+    model = Llama(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64,
+                              lengths=context_len))  # fmt: skip
+    path = tmp_path / "import" / "model.ckpt"
+    path.parent.mkdir()
+    import torch
+
+    torch.save(weights_checkpoint(model, None), path)
+    return path
+
+
+def test_an_imported_base_is_evaluated_at_multiples_of_its_own_context(tmp_path, monkeypatch):
+    """base_ckpt of an import: no training; lengths and focus lengths as multiples of its context; the methods,
+    extension options, depths, chat and focus options reach the steps; `own` (no training config) is refused."""
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    base = imported_base(tmp_path)
+    options = dict(out=str(tmp_path / "out"), base_ckpt=str(base), seeds=1, finetune_seeds=0, pose=False,
+                   randomized=False, large_base=None, jobs=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"corpora has `own`.*name data groups instead"):
+        lanes.run(config.StudyConfig(**options), [])
+    study = config.StudyConfig(**options, corpora=["kjv"], lengths=["1x", "2x", "4x"], focus_lengths=["4x"],
+                               methods=["none", "yarn", "dca"], retrieval_methods=["none", "yarn"],
+                               extend_options={"window": 2048, "group": "matched"}, chat=True,
+                               retrieval_depths=[0.5], retrieval_tasks=["passkey", "multivalue"])  # fmt: skip
+    lanes.run(study, [])
+    assert [c[2] for c in commands] == [lanes.EVALUATE, lanes.RETRIEVE]  # nothing trained
+    evaluation, retrieval = commands
+    for command in commands:
+        assert "lengths=[8192,16384,32768]" in command and "focus_lengths=[32768]" in command
+        assert "extend_options.window=2048" in command and "extend_options.group=matched" in command
+    assert "methods=[none,yarn,dca]" in evaluation and "data=kjv" in evaluation
+    assert {"methods=[none,yarn]", "depths=[0.5]", "chat=true", "tasks=[passkey,multivalue]"} <= set(
+        retrieval
+    )
+
+
+def test_an_evaluation_step_runs_again_when_its_command_changes(tmp_path, monkeypatch):
+    """A finished evaluation asked again with other options (more windows) runs again (its units make that
+    cheap); asked the same, it is skipped. A training's marker alone still means done."""
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    options = dict(out=str(tmp_path / "out"), base_ckpt=str(imported_base(tmp_path)), seeds=1, finetune_seeds=0,
+                   pose=False, randomized=False, large_base=None, jobs=1, corpora=["kjv"], retrieval=False)  # fmt: skip
+    lanes.run(config.StudyConfig(**options, max_windows=1), [])
+    lanes.run(config.StudyConfig(**options, max_windows=1, resume=True), [])
+    assert len(commands) == 1
+    lanes.run(config.StudyConfig(**options, max_windows=2, resume=True), [])
+    assert len(commands) == 2 and "max_windows=2" in commands[-1]

@@ -29,7 +29,7 @@ from rope_llama.cli.errors import USER_ERRORS, one_sentence_errors
 from rope_llama.core.checks import check_number
 from rope_llama.data.tokenizer import Tokenizer
 from rope_llama.inference.loading import load_model
-from rope_llama.inference.retrieval import NEEDLE, QUESTION, RetrievalPrompt, passkey_prompt
+from rope_llama.inference.retrieval import NEEDLE, QUESTION, RetrievalPrompt, build_prompt
 from rope_llama.model.llama import Llama
 
 
@@ -40,7 +40,9 @@ class CopyAttentionConfig:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     trials: int = 4  # prompts per depth, each with its own key
     heads: int = 4  # heads shown: those with the most attention on the needle, over all depths
-    question: str = QUESTION  # asked at the end; another one (" What is the black ring? The black ring is")
+    question: str = "".join(
+        QUESTION
+    )  # asked at the end; another one (" What is the black ring? The black ring is")
     # shows what its wording alone predicts, in the line "without the needle"
     seed: int = 0
 
@@ -63,7 +65,7 @@ def asking(prompt: RetrievalPrompt, tok: Tokenizer, question: str) -> RetrievalP
         raise ValueError(
             f"question must be a non-empty text ending where the answer starts, got {question!r}."
         )
-    tokens = prompt.tokens[: len(prompt.tokens) - len(tok.encode(QUESTION))] + tok.encode(question)
+    tokens = prompt.tokens[: len(prompt.tokens) - len(tok.encode("".join(QUESTION)))] + tok.encode(question)
     return replace(prompt, tokens=tokens)
 
 
@@ -113,7 +115,7 @@ def measure(cfg: CopyAttentionConfig) -> dict:
     for depth in cfg.depths:
         rows = []
         for _ in range(cfg.trials):
-            prompt = asking(passkey_prompt(tok, cfg.length, depth, rng), tok, cfg.question)
+            prompt = asking(build_prompt("passkey", tok, cfg.length, depth, rng), tok, cfg.question)
             needle, others = answer_positions(prompt.tokens, prompt.needle_start)
             with torch.no_grad(), last_query_attention(model) as logits:
                 out = model(torch.tensor([prompt.tokens]))

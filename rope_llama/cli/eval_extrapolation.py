@@ -17,6 +17,7 @@ from pathlib import Path
 
 import hydra
 import matplotlib
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -49,6 +50,14 @@ from rope_llama.inference.evaluation import (
 from rope_llama.inference.generation import check_scoring
 from rope_llama.inference.loading import load_model
 from rope_llama.inference.reporting import fmt, write_csv
+from rope_llama.inference.units import (
+    UNITS_FILE,
+    UnitStore,
+    model_fingerprint,
+    positions_key,
+    token_digest,
+    unit_key,
+)
 from rope_llama.interchange.destination import staged
 
 matplotlib.use("Agg")  # files only, no display
@@ -82,44 +91,81 @@ def metric_row(name: str, per_window: torch.Tensor, owners: torch.Tensor, cfg: D
     }
 
 
+def cell_units(
+    cfg: DictConfig, model, fingerprint: str, store: UnitStore, wins: torch.Tensor, context_len: int
+) -> list[dict]:
+    """Each window's mean loss, tail loss (its last `context_len` positions) and bucketed curve at the
+    model's current positions: from `store` where an earlier run scored the same window the same way,
+    else scored now and stored window by window. wins: (W, T + 1) ids."""
+    length = wins.shape[1] - 1
+    positions = positions_key(model, length)
+    device = model.embed.weight.device.type
+    keys = [
+        unit_key(model=fingerprint, positions=positions, tokens=token_digest(w), chunk=cfg.chunk,
+                 buckets=cfg.curve_buckets, tail=context_len, device=device)
+        for w in wins
+    ]  # fmt: skip
+    missing = [i for i, k in enumerate(keys) if store.get(k) is None]
+    batch = rows_per_forward(cfg.batch_tokens, length)
+    for begin in range(0, len(missing), batch):
+        group = missing[begin : begin + batch]
+        for i, loss in zip(group, window_losses(model, wins[group], cfg.chunk, batch)):  # loss: (T,)
+            store.put(keys[i], {"loss": float(loss.double().mean()),
+                                "tail_loss": float(loss[-context_len:].double().mean()),
+                                "curve": bucket_curve(loss, cfg.curve_buckets)})  # fmt: skip
+    return [store.get(k) for k in keys]
+
+
+def focus_methods(cfg: DictConfig, rows: list[dict], methods: list[str], length: int) -> list[str]:
+    """The methods evaluated at `length`: all, unless it is a focus length; then `none` (if asked for) and
+    the `focus_count` methods of lowest perplexity at the longest evaluated length below it."""
+    if length not in cfg.focus_lengths:
+        return methods
+    shorter = [r for r in rows if r["metric"] == "ppl" and r["length"] < length]
+    if not shorter:
+        raise ValueError(f"focus length {length} needs a shorter length evaluated first; add one to lengths.")
+    below = max(r["length"] for r in shorter)
+    ranked = sorted((r for r in shorter if r["length"] == below), key=lambda r: r["loss"])
+    best = [r["method"] for r in ranked if r["method"] != "none"][: cfg.focus_count]
+    chosen = [m for m in methods if m == "none" or m in best]
+    print(f"focus length {length}: {', '.join(chosen)} (the best {cfg.focus_count} at {below}, and none)")
+    return chosen
+
+
 def evaluate_grid(
-    cfg: DictConfig, ckpt, methods: list[str], documents: list
+    cfg: DictConfig, ckpt, methods: list[str], documents: list, store: UnitStore
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """Every (length, method) cell on the same documents -> (results rows, curve rows, window rows)."""
     context_len = ckpt.context_len
+    fingerprint = model_fingerprint(ckpt.model)
     rows, curves, per_window = [], [], []
-    cells = [(t, m) for t in sorted(cfg.lengths) for m in methods]
-    windows = {}
-    for length, method in tqdm(cells, desc="eval", unit="cell"):
-        if length not in windows:
-            windows[length] = split_windows(documents, length, cfg.max_windows)
-        wins, owners = windows[length]
-        cell = method_grid(cfg, ckpt, methods, length)[method]  # from the checkpoint's own config alone
-        ckpt.model.use_positions(cell.rope, cell.extend)
-        factor = cell.factor
-        batch = rows_per_forward(cfg.batch_tokens, length)
-        losses = window_losses(ckpt.model, wins, cfg.chunk, batch)  # (W, T)
-        keys = {"method": method, "length": length, "factor": factor}
-        rows.append(metric_row("ppl", losses.mean(1), owners, cfg, **keys))
-        rows.append(metric_row("tail_ppl", losses[:, -context_len:].mean(1), owners, cfg, **keys))
-        if cfg.sliding_stride is not None:
-            stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
-            sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
-            rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
-        for start, end, loss in bucket_curve(losses.mean(0), cfg.curve_buckets):
-            curves.append({**keys, "start": start, "end": end, "loss": loss})
-        windows_seen = Counter()  # a window's index within its document
-        for doc, loss, tail in zip(owners.tolist(), losses.mean(1), losses[:, -context_len:].mean(1)):
-            per_window.append(
-                {
-                    **keys,
-                    "document": doc,
-                    "window": windows_seen[doc],
-                    "loss": float(loss),
-                    "tail_loss": float(tail),
-                }
+    for length in sorted(cfg.lengths):
+        wins, owners = split_windows(documents, length, cfg.max_windows)
+        chosen = focus_methods(cfg, rows, methods, length)
+        for method in tqdm(chosen, desc=f"eval at {length}", unit="method"):
+            cell = method_grid(cfg, ckpt, chosen, length)[method]  # from the checkpoint's own config alone
+            ckpt.model.use_positions(cell.rope, cell.extend)
+            keys = {"method": method, "length": length, "factor": cell.factor}
+            units = cell_units(cfg, ckpt.model, fingerprint, store, wins, context_len)
+            loss = torch.tensor([u["loss"] for u in units])
+            rows.append(metric_row("ppl", loss, owners, cfg, **keys))
+            rows.append(
+                metric_row("tail_ppl", torch.tensor([u["tail_loss"] for u in units]), owners, cfg, **keys)
             )
-            windows_seen[doc] += 1
+            if cfg.sliding_stride is not None:
+                batch = rows_per_forward(cfg.batch_tokens, length)
+                stride = min(int(cfg.sliding_stride), length)  # a stride past T means plain windows
+                sliding = sliding_window_losses(ckpt.model, wins, owners, length, stride, cfg.chunk, batch)
+                rows.append(metric_row("sliding_ppl", sliding.mean(1), owners, cfg, **keys))
+            # the mean over windows of each bucket's mean = the bucket of the mean curve (equal-width buckets)
+            for b, (start, end, _) in enumerate(units[0]["curve"]):
+                mean = float(np.mean([u["curve"][b][2] for u in units]))
+                curves.append({**keys, "start": start, "end": end, "loss": mean})
+            windows_seen = Counter()  # a window's index within its document
+            for doc, unit in zip(owners.tolist(), units):
+                per_window.append({**keys, "document": doc, "window": windows_seen[doc],
+                                   "loss": unit["loss"], "tail_loss": unit["tail_loss"]})  # fmt: skip
+                windows_seen[doc] += 1
     return rows, curves, per_window
 
 
@@ -130,11 +176,18 @@ def markdown_tables(rows: list[dict], header: str) -> str:
     out = [header]
     for metric in dict.fromkeys(r["metric"] for r in rows):
         cell = {(r["method"], r["length"]): r["value"] for r in rows if r["metric"] == metric}
-        best = {t: min(cell[m, t] for m in methods) for t in lengths}
+        best = {t: min(v for (_, length), v in cell.items() if length == t) for t in lengths}
         out += [f"\n### {metric}: {METRICS[metric]}\n", "| method | " + " | ".join(map(str, lengths)) + " |"]
         out.append("|---" * (len(lengths) + 1) + "|")
-        for m in methods:
-            values = [f"**{fmt(cell[m, t])}**" if cell[m, t] == best[t] else fmt(cell[m, t]) for t in lengths]
+        for m in methods:  # "-": a focus length that did not keep the method
+            values = [
+                "-"
+                if (m, t) not in cell
+                else f"**{fmt(cell[m, t])}**"
+                if cell[m, t] == best[t]
+                else fmt(cell[m, t])
+                for t in lengths
+            ]
             out.append(f"| {m} | " + " | ".join(values) + " |")
     return "\n".join(out) + "\n"
 
@@ -212,7 +265,10 @@ def run(cfg: DictConfig) -> list[dict]:
     documents = long_documents(cfg, ckpt, max(cfg.lengths) + 1)  # T + 1 tokens give T predictions
     windows = window_counts(documents, min(cfg.lengths), cfg.max_windows)  # the most of any length
     check_bootstrap(cfg.n_boot, len(documents) if cfg.bootstrap == "document" else sum(windows))
-    rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents)
+    store = UnitStore(out / UNITS_FILE, reuse=cfg.reuse)
+    if store.reused:
+        print(f"{store.reused} finished windows in {out / UNITS_FILE} (reuse=false: score them again)")
+    rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents, store)
 
     context_len = ckpt.context_len
     n_windows = {t: next(r["n_windows"] for r in rows if r["length"] == t) for t in sorted(cfg.lengths)}

@@ -69,6 +69,7 @@ def check_common(cfg: DictConfig) -> Path:
         raise ValueError(f"factor must be `matched` or a number >= 1, got {cfg.factor!r}.")
     check_number("batch_tokens", cfg.batch_tokens, minimum=1, integer=True)
     check_threads(cfg.threads)
+    check_focus(cfg)
     return out
 
 
@@ -83,13 +84,29 @@ def begin(cfg: DictConfig, ckpt: LoadedCheckpoint) -> None:
 
 
 def with_context_lengths(cfg: DictConfig, ckpt: LoadedCheckpoint) -> DictConfig:
-    """A copy of `cfg` whose relative `lengths` ("2x") are tokens of the checkpoint's context length."""
+    """A copy of `cfg` whose relative `lengths` and `focus_lengths` ("2x") are tokens of the checkpoint's
+    context length; a focus length must be one of the lengths, above the shortest."""
     lengths = resolve_lengths(list(cfg.lengths), ckpt.context_len)
     if any(t < 2 for t in lengths):
         raise ValueError(
             f"lengths {list(cfg.lengths)} of context {ckpt.context_len} give {lengths}; each needs >= 2 tokens."
         )
-    return OmegaConf.merge(cfg, {"lengths": lengths})
+    focus = resolve_lengths(list(cfg.focus_lengths), ckpt.context_len)
+    if stray := [t for t in focus if t not in lengths or t == min(lengths)]:
+        raise ValueError(
+            f"focus_lengths {stray} must be among lengths {sorted(lengths)} and above the shortest "
+            "(a focus length keeps the best methods of the length below it)."
+        )
+    return OmegaConf.merge(cfg, {"lengths": lengths, "focus_lengths": focus})
+
+
+def check_focus(cfg: DictConfig) -> None:
+    """focus_lengths (integers or "4x", checked against lengths once the checkpoint is known) and
+    focus_count, before the load."""
+    focus = option_list(cfg, "focus_lengths", "[4x]")
+    if focus:
+        check_lengths("focus_lengths", focus, relative=True)
+    check_number("focus_count", cfg.focus_count, minimum=1, integer=True)
 
 
 def method_names(requested, ckpt: LoadedCheckpoint) -> list[str]:

@@ -51,9 +51,13 @@ from rope_llama.inference.retrieval import (
     HELDOUT,
     HELDOUT_TASKS,
     TASKS,
+    ChatTurns,
     RetrievalPrompt,
     answer_correct,
+    answer_recall,
+    answer_text,
     build_prompt,
+    chat_turns,
     check_task_options,
     expand_tasks,
     greedy_miss,
@@ -61,15 +65,28 @@ from rope_llama.inference.retrieval import (
     random_keys,
 )
 from rope_llama.inference.stats import wilson_interval
+from rope_llama.inference.units import (
+    UNITS_FILE,
+    UnitStore,
+    model_fingerprint,
+    positions_key,
+    token_digest,
+    unit_key,
+)
 from rope_llama.interchange.destination import staged
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 
-def candidate_tokens(tok: Tokenizer, key: int, rng: np.random.Generator, count: int) -> list[list[int]]:
-    """The continuations the ranking compares: the true key first, then count - 1 random decoys."""
-    return [tok.encode(f" {k}") for k in (key, *random_keys(rng, count - 1, exclude=key))]
+def candidate_tokens(
+    tok: Tokenizer, answers: tuple[int, ...], rng: np.random.Generator, count: int
+) -> list[list[int]]:
+    """The continuations the ranking compares: the true answer first (`answer_text`), then count - 1
+    decoys, each as many random keys (distinct first keys)."""
+    firsts = random_keys(rng, count - 1, exclude=answers[0])
+    decoys = [(k, *random_keys(rng, len(answers) - 1)) for k in firsts]
+    return [tok.encode(answer_text(a)) for a in (answers, *decoys)]
 
 
 def first_token_margin(next_logprobs: torch.Tensor, token: int) -> tuple[float, int]:
@@ -82,6 +99,11 @@ def first_token_margin(next_logprobs: torch.Tensor, token: int) -> tuple[float, 
     return float(next_logprobs[token] - others[runner_up]), runner_up
 
 
+def greedy_tokens(max_new_tokens: int, candidates: list[list[int]]) -> int:
+    """Tokens a prompt decodes greedily: max_new_tokens, or its true answer's (candidates[0]) and two more."""
+    return max(max_new_tokens, len(candidates[0]) + 2)
+
+
 def answer_prompts(
     model,
     tok: Tokenizer,
@@ -92,16 +114,26 @@ def answer_prompts(
 ) -> list[dict]:
     """Greedy answers and likelihood ranks of `prompts`, `rows` prompts per forward (left padded),
     one prefill per prompt for both (`answer_and_rank`); candidates[i] are prompt i's continuations,
-    its true key first. `forward_groups` keeps every prompt's result equal to answering it alone."""
+    its true answer first; each decodes `greedy_tokens`. Prompts decoding as many tokens share forwards, and
+    `forward_groups` keeps every prompt's result equal to answering it alone."""
     answered: dict[int, tuple] = {}  # prompt index -> (answer text, candidate log-probs, (margin, runner-up))
-    lengths = [answered_length(len(p.tokens), c, max_new_tokens) for p, c in zip(prompts, candidates)]
-    for group in forward_groups(lengths, rows, model.rope.is_dynamic):
-        greedy, logprobs, next_logprobs = answer_and_rank(
-            model, [prompts[i].tokens for i in group], [candidates[i] for i in group], max_new_tokens
-        )
-        for i, new, row, after in zip(group, greedy, logprobs, next_logprobs):
-            answer = tok.decode(new[: new.index(tok.eos_id)] if tok.eos_id in new else new)  # eos ends it
-            answered[i] = answer, row, first_token_margin(after, candidates[i][0][0])  # [0]: the true key
+    new_tokens = [greedy_tokens(max_new_tokens, c) for c in candidates]
+    lengths = [answered_length(len(p.tokens), c, n) for p, c, n in zip(prompts, candidates, new_tokens)]
+    by_tokens: dict[int, list[int]] = {}  # prompts decoding as many tokens share forwards
+    for i, n in enumerate(new_tokens):
+        by_tokens.setdefault(n, []).append(i)
+    for n, members in by_tokens.items():
+        for group in forward_groups([lengths[i] for i in members], rows, model.rope.is_dynamic):
+            group = [members[k] for k in group]
+            greedy, logprobs, next_logprobs = answer_and_rank(
+                model, [prompts[i].tokens for i in group], [candidates[i] for i in group], n
+            )
+            for i, new, row, after in zip(group, greedy, logprobs, next_logprobs):
+                stop = next(
+                    (k for k, t in enumerate(new) if t in tok.stop_ids), len(new)
+                )  # eos or end of turn
+                answer = tok.decode(new[:stop])
+                answered[i] = answer, row, first_token_margin(after, candidates[i][0][0])  # [0]: the true key
     out_rows = []
     for i, p in enumerate(prompts):
         answer, (key_logprob, *decoy_logprobs), (margin, runner_up) = answered[i]
@@ -111,9 +143,11 @@ def answer_prompts(
                 "tokens": len(p.tokens),
                 "depth_real": p.depth,
                 "key": p.answer,
+                "answers": " ".join(map(str, p.answers)),
                 "answer": answer,
-                "greedy_correct": int(answer_correct(answer, p.answer)),
-                "greedy_miss": greedy_miss(answer, p.answer),
+                "greedy_correct": int(answer_correct(answer, p.answers)),
+                "greedy_recall": answer_recall(answer, p.answers),
+                "greedy_miss": greedy_miss(answer, p.answers),
                 "rank_correct": int(rank == 1),
                 "key_rank": rank,
                 "key_logprob": key_logprob,
@@ -143,6 +177,7 @@ def accuracy_table(trials: list[dict], by: tuple[str, ...]) -> list[dict]:
                 "greedy_acc": correct / len(rows),
                 "greedy_low": low,
                 "greedy_high": high,
+                "greedy_recall": float(np.mean([r["greedy_recall"] for r in rows])),  # RULER's credit
                 **miss_shares(rows),
                 "rank_acc": float(np.mean([r["rank_correct"] for r in rows])),
                 "first_margin_mean": float(np.mean([r["first_margin"] for r in rows])),
@@ -188,14 +223,16 @@ def task_options(cfg: DictConfig) -> dict[str, dict]:
     return options
 
 
-def check_memory(model, cfg: DictConfig) -> None:
+def check_memory(model, cfg: DictConfig, tasks: dict[str, dict]) -> None:
     """Refuse the longest length before any prompt is built: its prompts (every depth's trials) are
     held at once and answered `rows_per_forward` at a time in one left-padded batch (the keys' digits
     may tokenize to different lengths)."""
     longest = max(cfg.lengths)
     prompts = cfg.trials * len(cfg.depths)
     rows = min(rows_per_forward(cfg.batch_tokens, longest), prompts)
-    slots_after = max(cfg.max_new_tokens, 6)  # after a prompt: its greedy answer, or a key (" " + 5 digits)
+    values = max(options.get("queries", options.get("values", 1)) for options in tasks.values())
+    # after a prompt: its greedy answer, or its keys (" " + 5 digits, then ", " + 5 digits each)
+    slots_after = max(cfg.max_new_tokens, 7 * values + 2)
     nbytes = generation_bytes(
         model.config,
         rows,
@@ -212,13 +249,62 @@ def check_memory(model, cfg: DictConfig) -> None:
 
 
 def task_prompts(
-    cfg: DictConfig, tok: Tokenizer, task: str, options: dict, length: int, depth: float
+    cfg: DictConfig,
+    tok: Tokenizer,
+    task: str,
+    options: dict,
+    length: int,
+    depth: float,
+    chat: ChatTurns | None,
 ) -> tuple[list[RetrievalPrompt], list[list[list[int]]]]:
-    """`trials` prompts of one cell and their ranking candidates, a pure function of (seed, task,
-    length, depth): the same for every method, and unchanged by which other tasks run."""
-    rng = np.random.default_rng([cfg.seed, TASKS.index(task), length, round(depth * 100)])
-    prompts = [build_prompt(task, tok, length, depth, rng, **options) for _ in range(cfg.trials)]
-    return prompts, [candidate_tokens(tok, p.answer, rng, cfg.candidates) for p in prompts]
+    """`trials` prompts of one cell and their ranking candidates, trial k a pure function of (seed, task,
+    length, depth, k): the same for every method, unchanged by which other tasks run, and the first
+    prompts of a run with more trials."""
+    prompts, candidates = [], []
+    for trial in range(cfg.trials):
+        rng = np.random.default_rng([cfg.seed, TASKS.index(task), length, round(depth * 100), trial])
+        prompts.append(build_prompt(task, tok, length, depth, rng, chat, **options))
+        candidates.append(candidate_tokens(tok, prompts[-1].answers, rng, cfg.candidates))
+    return prompts, candidates
+
+
+def focus_methods(cfg: DictConfig, trials: list[dict], methods: list[str], length: int) -> list[str]:
+    """The methods asked at `length`: all, unless it is a focus length; then `none` (if asked for) and the
+    `focus_count` methods of highest greedy accuracy (every task's prompts pooled) at the longest length
+    below it."""
+    if length not in cfg.focus_lengths:
+        return methods
+    below = max(t["length"] for t in trials if t["length"] < length)
+    accuracy = {m: np.mean([t["greedy_correct"] for t in trials if t["method"] == m and t["length"] == below])
+                for m in methods if m != "none"}  # fmt: skip
+    best = sorted(accuracy, key=lambda m: -accuracy[m])[: cfg.focus_count]  # a stable sort: ties keep order
+    chosen = [m for m in methods if m == "none" or m in best]
+    print(f"focus length {length}: {', '.join(chosen)} (the best {cfg.focus_count} at {below}, and none)")
+    return chosen
+
+
+def answered_units(
+    cfg: DictConfig, model, tok: Tokenizer, fingerprint: str, store: UnitStore,
+    prompts: list[RetrievalPrompt], candidates: list[list[list[int]]], rows: int,
+) -> list[dict]:  # fmt: skip
+    """`answer_prompts` of every prompt at the model's current positions: from `store` where an earlier
+    run answered the same prompt the same way, else answered now and stored prompt by prompt."""
+    device = model.embed.weight.device.type
+    keys = [
+        unit_key(model=fingerprint, tokens=token_digest(p.tokens), candidates=[token_digest(x) for x in c],
+                 positions=positions_key(model, answered_length(len(p.tokens), c, greedy_tokens(cfg.max_new_tokens, c))),
+                 max_new_tokens=cfg.max_new_tokens, device=device)
+        for p, c in zip(prompts, candidates)
+    ]  # fmt: skip
+    missing = [i for i, k in enumerate(keys) if store.get(k) is None]
+    for begin in range(0, len(missing), rows):  # stored after each forward: a kill loses one at most
+        group = missing[begin : begin + rows]
+        answered = answer_prompts(
+            model, tok, [prompts[i] for i in group], [candidates[i] for i in group], cfg.max_new_tokens, rows
+        )
+        for i, row in zip(group, answered):
+            store.put(keys[i], row)
+    return [store.get(k) for k in keys]
 
 
 @torch.inference_mode()
@@ -227,44 +313,44 @@ def run(cfg: DictConfig) -> list[dict]:
     check_number("trials", cfg.trials, minimum=1, integer=True)
     check_number("candidates", cfg.candidates, minimum=2, integer=True)
     check_number("max_new_tokens", cfg.max_new_tokens, minimum=1, integer=True)
+    if not isinstance(cfg.chat, bool):
+        raise ValueError(f"chat must be true or false, got {cfg.chat!r}.")
     tasks = task_options(cfg)
     depths = option_list(cfg, "depths", "[0,0.5,1]")
     for d in depths:
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
             raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
+    chat = chat_turns(tok) if cfg.chat else None
     cfg = with_context_lengths(cfg, ckpt)  # "2x" = twice the checkpoint's context length
     methods = method_names(cfg.methods, ckpt)
     print_matched_groups(cfg, ckpt, methods)
     with_largest_cache(ckpt.model, method_grid(cfg, ckpt, methods, max(cfg.lengths)))
-    check_memory(ckpt.model, cfg)
+    check_memory(ckpt.model, cfg, tasks)
     begin(cfg, ckpt)
+    store = UnitStore(out / UNITS_FILE, reuse=cfg.reuse)
+    if store.reused:
+        print(f"{store.reused} answered prompts in {out / UNITS_FILE} (reuse=false: answer them again)")
+    fingerprint = model_fingerprint(ckpt.model)
     trials = []
-    cells = [(length, task) for length in sorted(cfg.lengths) for task in tasks]
-    for length, task in tqdm(cells, desc="retrieval", unit="length x task"):
-        prompt_cells, prompts, candidates = [], [], []  # (depth, trial index in its cell) per prompt
-        for depth in depths:
-            cell_prompts, cell_candidates = task_prompts(cfg, tok, task, tasks[task], length, depth)
-            prompt_cells += [(depth, trial) for trial in range(len(cell_prompts))]
-            prompts += cell_prompts
-            candidates += cell_candidates
-        rows = rows_per_forward(cfg.batch_tokens, length)
-        for method, cell in method_grid(cfg, ckpt, methods, length).items():  # the checkpoint's config alone
-            ckpt.model.use_positions(cell.rope, cell.extend)
-            factor = cell.factor
-            answered = answer_prompts(ckpt.model, tok, prompts, candidates, cfg.max_new_tokens, rows)
-            for (depth, trial), row in zip(prompt_cells, answered):
-                trials.append(
-                    {
-                        "task": task,
-                        "method": method,
-                        "length": length,
-                        "depth": depth,
-                        "trial": trial,
-                        "factor": factor,
-                        **row,
-                    }
-                )
+    for length in sorted(cfg.lengths):
+        chosen = focus_methods(cfg, trials, methods, length)
+        for task in tqdm(tasks, desc=f"retrieval at {length}", unit="task"):
+            prompt_cells, prompts, candidates = [], [], []  # (depth, trial index in its cell) per prompt
+            for depth in depths:
+                cell_prompts, cell_candidates = task_prompts(cfg, tok, task, tasks[task], length, depth, chat)
+                prompt_cells += [(depth, trial) for trial in range(len(cell_prompts))]
+                prompts += cell_prompts
+                candidates += cell_candidates
+            rows = rows_per_forward(cfg.batch_tokens, length)
+            for method, cell in method_grid(
+                cfg, ckpt, chosen, length
+            ).items():  # the checkpoint's config alone
+                ckpt.model.use_positions(cell.rope, cell.extend)
+                answered = answered_units(cfg, ckpt.model, tok, fingerprint, store, prompts, candidates, rows)
+                for (depth, trial), row in zip(prompt_cells, answered):
+                    trials.append({"task": task, "method": method, "length": length, "depth": depth,
+                                   "trial": trial, "factor": cell.factor, **row})  # fmt: skip
 
     pooled = trials + pooled_heldout(trials)  # the held-out families together: the headline
     cells_table = accuracy_table(pooled, ("task", "method", "length", "depth", "factor"))

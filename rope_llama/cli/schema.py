@@ -215,7 +215,8 @@ GENERATE: Schema = {
     "chunk": integer(minimum=1),
 }
 EVALUATION = {**INFERENCE, **EXTEND_OPTIONS, "ckpt": TEXT, "out": TEXT, "overwrite": FLAG, "lengths": LENGTHS, "methods": METHODS,
-              "factor": FACTOR, "batch_tokens": integer(minimum=1)}  # fmt: skip
+              "factor": FACTOR, "batch_tokens": integer(minimum=1), "reuse": FLAG,
+              "focus_lengths": items(unique=True), "focus_count": integer(minimum=1)}  # fmt: skip
 EVAL: Schema = {
     **EVALUATION,
     **DATA,
@@ -232,12 +233,16 @@ PASSKEY: Schema = {
     "tasks": items(TEXT, nonempty=True, unique=True),
     "task_options.heldout.facts": integer(minimum=1),
     "task_options.multikey.keys": integer(minimum=1),
+    "task_options.multiquery.keys": integer(minimum=1),
+    "task_options.multiquery.queries": integer(minimum=1),
+    "task_options.multivalue.values": integer(minimum=1),
     "task_options.vartrack.chains": integer(minimum=1),
     "task_options.vartrack.hops": integer(minimum=1),
     "depths": items(number(minimum=0, maximum=1), nonempty=True, unique=True),
     "trials": integer(minimum=1),
     "candidates": integer(minimum=2, maximum=FIVE_DIGIT_KEYS, means="the five-digit keys there are"),
     "max_new_tokens": integer(minimum=1),
+    "chat": FLAG,
 }
 VISUALIZE: Schema = {
     **INFERENCE,

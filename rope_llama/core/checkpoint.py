@@ -225,6 +225,12 @@ def read_entries(ckpt: dict, path: Path) -> tuple[ModelConfig, dict]:
     return config, dict(ckpt.get("tokenizer") or {})
 
 
+def checkpoint_context_len(path: str | os.PathLike) -> int:
+    """The context length a checkpoint (file or run directory) claims, read without loading its weights."""
+    file = resolve_checkpoint(path)
+    return read_entries(safe_load(file, mmap=True), file)[0].lengths.context_len
+
+
 def model_state_from_checkpoint(ckpt: dict) -> dict[str, torch.Tensor]:
     """The network's weights: the checkpoint's `state_dict` with the module prefix stripped."""
     state = ckpt.get("state_dict")

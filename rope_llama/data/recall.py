@@ -84,8 +84,8 @@ TEMPLATES = (
 # Words of the retrieval suite's prompts and its multi-key names (inference/retrieval.py; a test checks the
 # set covers them): never drawn as tag words (`word_tag_share`), so no window states "The pass key is ...".
 EVAL_WORDS = frozenset(
-    "a about again an and back blue find go grass green here hidden i important info information inside "
-    "irrelevant is it key lot memorize of pass quiz remember sky sun text the there value var we what will "
+    "a about again all an and are back blue find go grass green here hidden i important info information inside "
+    "irrelevant is it key keys lot memorize of one pass quiz remember sky sun text the there value var we what will "
     "yellow you fox owl bear wolf hare crow deer lynx seal swan mole toad frog goat lark wren".split()
 )
 TAG_WORD = re.compile(r" [a-z]{3,12}")  # a vocabulary entry that is one whole lowercase word after a space

@@ -97,6 +97,9 @@ class Rendered:
     statement: str
     question: str
     answer: str
+    lead_start: (
+        int  # where in `question` the answer's lead begins: a chat prompt's assistant turn starts there
+    )
 
 
 def valid(t: Template) -> bool:
@@ -184,6 +187,10 @@ def sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
+# per layout but dialogue: how a statement sits in the haystack, and what opens the question
+LAYOUT_TEXT = {"prose": (" {}", " "), "line": ("{}\n", "\n"), "list": ("- {}\n", "\n")}
+
+
 def render(t: Template, tag: str, value: int, speakers: tuple[str, str] = ("HELENA", "MARCUS")) -> Rendered:
     """The statement, question and answer of fact (`tag`, `value`) in wording `t`. speakers: (who states
     the fact and answers, who asks) in the dialogue layout. A training window follows each answer with STOP."""
@@ -191,12 +198,12 @@ def render(t: Template, tag: str, value: int, speakers: tuple[str, str] = ("HELE
     question = sentence(QUESTIONS[t.question].format(X=tag))
     lead = sentence(LEADS[t.lead].format(X=tag))
     asked = f"{question} {lead}" if question else lead
-    if t.layout == "prose":
-        return Rendered(f" {statement}", f" {asked}", f" {value}")
-    if t.layout == "line":
-        return Rendered(f"{statement}\n", f"\n{asked}", f" {value}")
-    if t.layout == "list":
-        return Rendered(f"- {statement}\n", f"\n{asked}", f" {value}")
+    if t.layout in LAYOUT_TEXT:
+        laid_out, opening = LAYOUT_TEXT[t.layout]
+        before_lead = (opening + asked)[: -len(lead)].rstrip(" ")  # the space before the lead is the lead's
+        return Rendered(laid_out.format(statement), opening + asked, f" {value}", len(before_lead))
     teller, asker = speakers
-    ask = f"{asker}:\n{question}\n{teller}:\n{lead}" if question else f"{asker}:\n{lead}"
-    return Rendered(f"\n{teller}:\n{statement}\n", f"\n\n{ask}", f" {value}")
+    ask = f"{asker}:\n{question}" if question else ""
+    answer_turn = f"\n{teller}:\n{lead}" if question else f"{asker}:\n{lead}"
+    # a chat's assistant speaks as the teller; a cloze dialogue has no question to ask
+    return Rendered(f"\n{teller}:\n{statement}\n", f"\n\n{ask}{answer_turn}", f" {value}", 2 + len(ask))

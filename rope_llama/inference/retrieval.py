@@ -38,7 +38,7 @@ from rope_llama.data.tokenizer import Tokenizer
 
 HELDOUT = "heldout"  # in a task list: every held-out family; in a table: their pooled trials
 HELDOUT_TASKS = tuple(f"{HELDOUT}_{family}" for family in templates.FAMILIES)
-TASKS = ("passkey", "multikey", "vartrack", *HELDOUT_TASKS)
+TASKS = ("passkey", "multikey", "vartrack", *HELDOUT_TASKS, "multiquery", "multivalue")
 # The passkey prompt of Mohtashami & Jaggi (2023), as scripts/passkey.py and the literature use it.
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -46,13 +46,18 @@ INTRO = (
 )
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
+# A question is the ask and the lead the answer follows (in a chat prompt the assistant's turn starts at the lead).
+QUESTION = (" What is the pass key?", " The pass key is")
 MULTIKEY_NEEDLE = " The pass key of the {name} is {key}. Remember it. {key} is the pass key of the {name}."
-MULTIKEY_QUESTION = " What is the pass key of the {name}? The pass key of the {name} is"
+MULTIKEY_QUESTION = (" What is the pass key of the {name}?", " The pass key of the {name} is")
+MULTIQUERY_QUESTION = (" What are the pass keys of {names}?", " The pass keys of {names} are")
+MULTIVALUE_NEEDLE = " One of the pass keys of the {name} is {key}. Remember it."
+MULTIVALUE_QUESTION = (" What are all the pass keys of the {name}?", " The pass keys of the {name} are")
 VAR_VALUE = " VAR {name} = {value}."
 VAR_COPY = " VAR {name} = VAR {source}."
-VAR_QUESTION = " What is the value of VAR {name}? The value of VAR {name} is"
-WORDING = (MULTIKEY_NEEDLE, MULTIKEY_QUESTION, VAR_VALUE, VAR_COPY, VAR_QUESTION)  # this suite's own
+VAR_QUESTION = (" What is the value of VAR {name}?", " The value of VAR {name} is")
+WORDING = (MULTIKEY_NEEDLE, *MULTIKEY_QUESTION, *MULTIQUERY_QUESTION, MULTIVALUE_NEEDLE, *MULTIVALUE_QUESTION,
+           VAR_VALUE, VAR_COPY, *VAR_QUESTION)  # fmt: skip
 NAMES = ("fox", "owl", "bear", "wolf", "hare", "crow", "deer", "lynx", "seal", "swan", "mole", "toad",
          "frog", "goat", "lark", "wren")  # fmt: skip
 VAR_NAME_LETTERS = 5  # RULER's variable names: 5 random capital letters
@@ -87,21 +92,40 @@ def random_keys(rng: np.random.Generator, n: int, exclude: int | None = None) ->
 @dataclass(frozen=True)
 class RetrievalPrompt:
     task: str
-    tokens: list[int]  # BOS, instruction, filler with needles, question; the answer comes next
-    answer: int
+    tokens: list[int]  # (BOS,) instruction, filler with needles, question; the answer comes next
+    answer: int  # the value of the needle at `depth`
     depth: float  # realised: filler tokens before the asked needle / all filler tokens
     needle_start: int  # token index where the asked needle (first assignment of the asked chain) begins
+    answers: tuple[
+        int, ...
+    ]  # every value the answer lists, in its order: (answer,) but for multiquery, multivalue
 
 
-def answer_correct(generated: str, answer: int) -> bool:
-    """Greedy scoring: the first integer in the generated text is the answer (" 40213." -> 40213)."""
-    return first_integer(generated) == answer
+def answer_text(answers: tuple[int, ...] | list[int]) -> str:
+    """How an answer is written after the prompt: " 40213", or " 40213, 77120" for several values."""
+    return " " + ", ".join(map(str, answers))
+
+
+def answer_correct(generated: str, answer: int | tuple[int, ...]) -> bool:
+    """Greedy scoring: the first integer in the generated text is the answer (" 40213." -> 40213); for
+    several values, every one of them is among the text's integers (in any order, as RULER scores)."""
+    return answer_recall(generated, answer) == 1.0
+
+
+def answer_recall(generated: str, answer: int | tuple[int, ...]) -> float:
+    """The share of the answer's values the generated text gives: for one value 1 or 0 (`answer_correct`);
+    for several, the share among the text's integers (RULER's string_match_all credit per prompt)."""
+    answers = (answer,) if isinstance(answer, int) else tuple(answer)
+    if len(answers) == 1:
+        return float(first_integer(generated) == answers[0])
+    found = {int(n) for n in re.findall(r"\d+", generated)}
+    return sum(a in found for a in answers) / len(answers)
 
 
 GREEDY_MISSES = ("prose first", "overrun", "wrong digits")  # greedy_miss's kinds, in the tables' order
 
 
-def greedy_miss(generated: str, answer: int) -> str:
+def greedy_miss(generated: str, answer: int | tuple[int, ...]) -> str:
     """Why a greedy answer is wrong ("" when `answer_correct`): "prose first" = text before any number (the
     first-token decision, which the first-token margin measures, went to the text); "overrun" = the answer's
     digits and then more (" 103888." for 10388: the copy found the key but did not stop); "wrong digits" =
@@ -111,12 +135,15 @@ def greedy_miss(generated: str, answer: int) -> str:
     digits = re.match(r"\d+", generated.lstrip())
     if digits is None:
         return "prose first"
-    return "overrun" if digits.group().startswith(str(answer)) else "wrong digits"
+    first = answer if isinstance(answer, int) else answer[0]
+    return "overrun" if digits.group().startswith(str(first)) else "wrong digits"
 
 
 TASK_OPTIONS = {
     "passkey": {},
     "multikey": {"keys": (1, len(NAMES))},
+    "multiquery": {"keys": (1, len(NAMES)), "queries": (1, len(NAMES))},
+    "multivalue": {"values": (1, None)},
     "vartrack": {"chains": (1, None), "hops": (0, None)},
     **{task: {"facts": (1, len(templates.NOUNS))} for task in HELDOUT_TASKS},
 }
@@ -149,47 +176,95 @@ def check_task_options(task: str, **options) -> None:
         check_number(name, value, minimum=low, maximum=high or None, integer=True)
 
 
+ChatTurns = tuple[
+    str, str
+]  # the chat template's text before the user's message and after it, to the assistant's turn
+
+
+def chat_turns(tok: Tokenizer) -> ChatTurns:
+    """The tokenizer's chat template around one user message, ending where the assistant's reply begins
+    (its own special tokens, its default system turn if it has one); one sentence when it has none."""
+    marker = "\x00message\x00"
+    before, found, after = tok.apply_chat_template([{"role": "user", "content": marker}]).partition(marker)
+    if not found:
+        raise ValueError(
+            f"The chat template of {tok.path} does not place the user's message; use chat=false."
+        )
+    return before, after
+
+
 def build_prompt(
-    task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, **options
+    task: str,
+    tok: Tokenizer,
+    length: int,
+    depth: float,
+    rng: np.random.Generator,
+    chat: ChatTurns | None = None,
+    **options,
 ) -> RetrievalPrompt:
-    """The prompt of `task` (one of TASKS) with the task's options (multikey: keys; vartrack: chains, hops)."""
+    """The prompt of `task` (one of TASKS) with the task's options (multikey: keys; multiquery: keys, queries;
+    multivalue: values; vartrack: chains, hops; heldout_*: facts); `chat` (`chat_turns`) wraps everything
+    before the question's lead in the user's turn and starts the assistant's turn with the lead."""
     check_task_options(task, **options)
     if task in HELDOUT_TASKS:
-        return heldout_prompt(task, tok, length, depth, rng, **options)
-    builders = {"passkey": passkey_prompt, "multikey": multikey_prompt, "vartrack": vartrack_prompt}
-    return builders[task](tok, length, depth, rng, **options)
+        parts = heldout_prompt(task, tok, depth, rng, **options)
+    else:
+        builders = {"passkey": passkey_prompt, "multikey": multikey_prompt, "vartrack": vartrack_prompt,
+                    "multiquery": multiquery_prompt, "multivalue": multivalue_prompt}  # fmt: skip
+        parts = builders[task](tok, depth, rng, **options)
+    return _assemble(task, tok, length, *parts, chat=chat)
 
 
-def passkey_prompt(tok: Tokenizer, length: int, depth: float, rng: np.random.Generator) -> RetrievalPrompt:
+Needles = list[tuple[float, list[int]]]  # (place in [0, 1], tokens); the first is the asked one
+# needles, (ask, lead), values: needles[0]'s, then (multiquery, multivalue) the answer's list in its order
+Parts = tuple[Needles, tuple[str, str], tuple[int, ...]]
+
+
+def passkey_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator) -> Parts:
     """One passkey needle at `depth`, scripts/passkey.py's wording."""
     (key,) = random_keys(rng, 1)
-    needle = tok.encode(NEEDLE.format(key=key))
-    return _assemble("passkey", tok, length, [(_check_depth(depth), needle)], tok.encode(QUESTION), key)
+    return [(_check_depth(depth), tok.encode(NEEDLE.format(key=key)))], QUESTION, (key,)
 
 
-def multikey_prompt(
-    tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, keys: int = 4
-) -> RetrievalPrompt:
+def multikey_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator, keys: int = 4) -> Parts:
     """`keys` needles, each naming an animal and its own key; the question asks for the first, which
     sits at `depth`; the others go to uniformly random places in the filler."""
-    check_task_options("multikey", keys=keys)
-    names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
-    values = random_keys(rng, keys)
-    places = [_check_depth(depth), *rng.random(keys - 1)]
-    needles = [
-        (p, tok.encode(MULTIKEY_NEEDLE.format(name=n, key=k))) for p, n, k in zip(places, names, values)
-    ]
-    question = tok.encode(MULTIKEY_QUESTION.format(name=names[0]))
-    return _assemble("multikey", tok, length, needles, question, values[0])
+    names, values, needles = _named_needles(tok, depth, rng, keys)
+    return needles, _format(MULTIKEY_QUESTION, name=names[0]), (values[0],)
+
+
+def multiquery_prompt(
+    tok: Tokenizer, depth: float, rng: np.random.Generator, keys: int = 4, queries: int = 4
+) -> Parts:
+    """RULER's multi-query needle: `keys` named needles as in multikey; the question asks for the keys of
+    the first `queries` of them at once (the first at `depth`), and the answer lists them in that order."""
+    if queries > keys:
+        raise ValueError(
+            f"multiquery asks for queries={queries} of keys={keys} needles; queries must be <= keys."
+        )
+    names, values, needles = _named_needles(tok, depth, rng, keys)
+    asked = [f"the {n}" for n in names[:queries]]
+    listed = asked[0] if queries == 1 else ", ".join(asked[:-1]) + " and " + asked[-1]
+    return needles, _format(MULTIQUERY_QUESTION, names=listed), (values[0], *values[:queries])
+
+
+def multivalue_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator, values: int = 4) -> Parts:
+    """RULER's multi-value needle: one animal with `values` keys in separate needles (the first at `depth`,
+    the others at random places); the answer lists every key, in the order they appear."""
+    (name,) = rng.choice(NAMES, size=1)
+    keys = random_keys(rng, values)
+    places = [_check_depth(depth), *rng.random(values - 1)]
+    needles = [(p, tok.encode(MULTIVALUE_NEEDLE.format(name=name, key=k))) for p, k in zip(places, keys)]
+    in_order = tuple(k for _, k in sorted(zip(places, keys), key=lambda pk: pk[0]))
+    return needles, _format(MULTIVALUE_QUESTION, name=name), (keys[0], *in_order)
 
 
 def vartrack_prompt(
-    tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, chains: int = 2, hops: int = 3
-) -> RetrievalPrompt:
+    tok: Tokenizer, depth: float, rng: np.random.Generator, chains: int = 2, hops: int = 3
+) -> Parts:
     """`chains` variable chains of `hops` copies each; the question asks for the last variable of the
     first chain, whose value assignment sits at `depth` and whose copies follow it evenly spaced to
     the end. The other chains (distinct values) go to random places, each in its own order."""
-    check_task_options("vartrack", chains=chains, hops=hops)
     depth = _check_depth(depth)
     names = _var_names(rng, chains * (hops + 1))
     values = random_keys(rng, chains)
@@ -203,17 +278,15 @@ def vartrack_prompt(
         else:
             places = sorted(rng.random(hops + 1))
         needles += [(p, tok.encode(s)) for p, s in zip(places, statements)]
-    question = tok.encode(VAR_QUESTION.format(name=names[hops]))
-    return _assemble("vartrack", tok, length, needles, question, values[0])
+    return needles, _format(VAR_QUESTION, name=names[hops]), (values[0],)
 
 
 def heldout_prompt(
-    task: str, tok: Tokenizer, length: int, depth: float, rng: np.random.Generator, facts: int = 1
-) -> RetrievalPrompt:
+    task: str, tok: Tokenizer, depth: float, rng: np.random.Generator, facts: int = 1
+) -> Parts:
     """`facts` facts in one template drawn from the family of `task` (heldout_<family>), distinct tags and
     5-digit numbers; the question asks for the first, which sits at `depth`, the others at random places.
     In the dialogue layout two distinct speakers state and ask."""
-    check_task_options(task, facts=facts)
     family = templates.family_templates(task.removeprefix(f"{HELDOUT}_"))
     template = family[rng.integers(len(family))]
     tags = templates.tags(template, rng, facts)
@@ -226,25 +299,51 @@ def heldout_prompt(
         r.statement if template.layout == "prose" else "\n" + r.statement.lstrip("\n") for r in rendered
     ]
     needles = [(p, tok.encode(s)) for p, s in zip(places, statements)]
-    return _assemble(task, tok, length, needles, tok.encode(rendered[0].question), keys[0])
+    question, at = rendered[0].question, rendered[0].lead_start
+    return needles, (question[:at], question[at:]), (keys[0],)
+
+
+def _named_needles(
+    tok: Tokenizer, depth: float, rng: np.random.Generator, keys: int
+) -> tuple[list[str], list[int], Needles]:
+    """`keys` distinct animals with distinct keys in MULTIKEY_NEEDLE's wording, the first at `depth`."""
+    names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
+    values = random_keys(rng, keys)
+    places = [_check_depth(depth), *rng.random(keys - 1)]
+    needles = [
+        (p, tok.encode(MULTIKEY_NEEDLE.format(name=n, key=k))) for p, n, k in zip(places, names, values)
+    ]
+    return names, values, needles
+
+
+def _format(question: tuple[str, str], **fields) -> tuple[str, str]:
+    return question[0].format(**fields), question[1].format(**fields)
 
 
 def _assemble(
     task: str,
     tok: Tokenizer,
     length: int,
-    needles: list[tuple[float, list[int]]],
-    question: list[int],
-    answer: int,
+    needles: Needles,
+    question: tuple[str, str],
+    answers: tuple[int, ...],
+    chat: ChatTurns | None = None,
 ) -> RetrievalPrompt:
-    """BOS + INTRO + filler sentences with `needles` [(place in [0, 1], tokens)] + question.
+    """(BOS if the tokenizer's prompts take one) + INTRO + filler sentences with `needles` + the question
+    (ask, lead); with `chat`, the user's turn holds everything before the lead, and the lead (without
+    its leading space) opens the assistant's turn.
 
     Needle i goes after round(place * n) of the n filler sentences; needles at the same place keep
     their list order (a chain's assignments stay in order). needles[0] is the one asked about.
     """
     check_number("length", length, minimum=1, integer=True, allowed="a positive integer")
-    intro = tok.encode(INTRO)
-    fixed = 1 + len(intro) + sum(len(t) for _, t in needles) + len(question)
+    ask, lead = question
+    if chat is None:
+        head, tail = [tok.bos_id] * tok.add_bos + tok.encode(INTRO), tok.encode(ask + lead)
+    else:
+        head = tok.encode(chat[0]) + tok.encode(INTRO)
+        tail = tok.encode(ask) + tok.encode(chat[1]) + tok.encode(lead.lstrip(" "))
+    fixed = len(head) + sum(len(t) for _, t in needles) + len(tail)
     if fixed > length:
         raise ValueError(
             f"length {length} is too short for a {task} prompt: its fixed parts alone take {fixed} tokens."
@@ -255,7 +354,7 @@ def _assemble(
         filler.append(nxt)
         budget -= len(nxt)
     slots = [round(place * len(filler)) for place, _ in needles]
-    tokens, emitted, filler_before, asked_start, asked_before = [tok.bos_id, *intro], 0, 0, 0, 0
+    tokens, emitted, filler_before, asked_start, asked_before = list(head), 0, 0, 0, 0
     for i in sorted(range(len(needles)), key=lambda i: (slots[i], i)):
         for sentence in filler[emitted : slots[i]]:
             tokens += sentence
@@ -266,9 +365,10 @@ def _assemble(
         tokens += needles[i][1]
     for sentence in filler[emitted:]:
         tokens += sentence
-    tokens += question
+    tokens += tail
     depth = asked_before / max(1, sum(map(len, filler)))
-    return RetrievalPrompt(task, tokens, answer, depth, asked_start)
+    asked, *listed = answers  # needles[0]'s value, then the answer's list (multiquery, multivalue only)
+    return RetrievalPrompt(task, tokens, asked, depth, asked_start, tuple(listed) or (asked,))
 
 
 def _var_names(rng: np.random.Generator, n: int) -> list[str]:

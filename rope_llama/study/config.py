@@ -9,9 +9,16 @@ from rope_llama import CONFIGS
 from rope_llama.core.checkpoint import resolve_checkpoint
 from rope_llama.core.checks import check_lengths, check_number, is_integer
 from rope_llama.core.threads import check_threads
+from rope_llama.inference.evaluation import check_method
 from rope_llama.inference.retrieval import HELDOUT, TASKS
 
 RANDOMIZED = "randomized"  # the randomized-positions base's run
+# RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling; the remaps
+# at their defaults, derived from each base's trained length
+ZERO_SHOT = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3", "self_extend", "logn", "yarn+logn",
+             "llama3+self_extend", "string", "dca", "rerope", "leaky_rerope")  # fmt: skip
+RETRIEVAL_METHODS = ("none", "ntk", "dynamic_ntk", "yarn", "llama3", "self_extend", "string", "dca", "rerope",
+                     "leaky_rerope")  # fmt: skip
 
 
 @dataclass
@@ -38,13 +45,25 @@ class StudyConfig:
     large_base: float | None = 500000.0  # rope.base of the large-base model; null: no large-base model
     pose: bool = True  # PoSE fine-tunes of the fine-tuned seeds' bases (POSE_FINETUNES)
     randomized: bool = True  # a base trained from scratch on randomized position ids (seed 0)
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
+    # evaluation lengths: tokens, or multiples of the bases' context ("2x"; an imported base_ckpt's own context)
+    lengths: list[Any] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
     max_windows: int = 4
+    # the bases' zero-shot perplexity methods and retrieval methods (scripts/eval_extrapolation.py's names)
+    methods: list[str] = field(default_factory=lambda: list(ZERO_SHOT))
+    retrieval_methods: list[str] = field(default_factory=lambda: list(RETRIEVAL_METHODS))
+    # lengths (e.g. [4x]) where the bases run only `none` and the focus_count best methods of the length below
+    focus_lengths: list[Any] = field(default_factory=list)
+    focus_count: int = 4
+    # extension fields for every evaluation and retrieval step, as eval.yaml's extend_options, e.g.
+    # {window: 2048, group: matched} for Self-Extend on an 8k model (its defaults, 64 and 32, suit L = 256)
+    extend_options: dict[str, Any] = field(default_factory=dict)
     retrieval: bool = True
     # retrieval suite tasks (scripts/passkey.py): heldout = the held-out wording families, pooled as the headline
     retrieval_tasks: list[str] = field(default_factory=lambda: ["passkey", HELDOUT])
-    retrieval_lengths: list[int] | None = None  # null = lengths
+    retrieval_lengths: list[Any] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
+    retrieval_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    chat: bool = False  # retrieval prompts in the tokenizer's chat template (an instruct model's)
     threads: Any = (
         "auto"  # torch threads of the evaluations: auto (cores / jobs when jobs > 1, else the free cores) | N
     )
@@ -88,11 +107,25 @@ def check_config(cfg: StudyConfig) -> None:
     for name in ("base_ckpt", "large_base_ckpt"):
         if getattr(cfg, name) is not None:
             resolve_checkpoint(getattr(cfg, name))  # one sentence when it does not exist
-    for name in ("lengths", "retrieval_lengths"):
-        if getattr(cfg, name) is not None:
-            check_lengths(name, list(getattr(cfg, name)))
-    for name, minimum in (("max_windows", 1), ("retrieval_trials", 1)):
+    if cfg.base_ckpt and "own" in cfg.corpora:
+        saved = resolve_checkpoint(cfg.base_ckpt).parent.parent / ".hydra" / "config.yaml"
+        if not saved.is_file():
+            raise ValueError(
+                f"corpora has `own`, the base's training data, but {cfg.base_ckpt} has no training config "
+                f"({saved}; an imported model); name data groups instead, e.g. corpora=[shakespeare,kjv]."
+            )
+    for name in ("lengths", "retrieval_lengths", "focus_lengths"):
+        if getattr(cfg, name):
+            check_lengths(name, list(getattr(cfg, name)), relative=True)
+    for name in ("methods", "retrieval_methods"):
+        if not getattr(cfg, name):
+            raise ValueError(f"{name} is empty; give at least one method, e.g. {name}=[none,yarn].")
+        for method in getattr(cfg, name):
+            check_method(str(method))
+    for name, minimum in (("max_windows", 1), ("retrieval_trials", 1), ("focus_count", 1)):
         check_number(name, getattr(cfg, name), minimum=minimum, integer=True)
+    if not cfg.retrieval_depths or any(not 0 <= d <= 1 for d in cfg.retrieval_depths):
+        raise ValueError(f"retrieval_depths must be depths in [0, 1], got {list(cfg.retrieval_depths)}.")
     check_threads(cfg.threads)
 
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rope_llama.core.checkpoint import atomic_write_text, resolve_checkpoint
+from rope_llama.core.checkpoint import atomic_write_text, checkpoint_context_len, resolve_checkpoint
+from rope_llama.core.checks import resolve_lengths
 from rope_llama.interchange.destination import claim_results_directory
 from rope_llama.study.config import RANDOMIZED, StudyConfig, check_config, seed_list
 from rope_llama.study.summary import summarise
@@ -23,15 +24,6 @@ TRAIN, EVALUATE, RETRIEVE = (
     "rope_llama.cli.eval_extrapolation",
     "rope_llama.cli.passkey",
 )
-# RoPE scalings, the attention extensions (model/extend.py) alone and composed with a scaling; the remaps
-# at their defaults, derived from each base's trained length
-ZERO_SHOT = (
-    "[none,linear,ntk,dynamic_ntk,yarn,llama3,self_extend,logn,yarn+logn,llama3+self_extend,"
-    "string,dca,rerope,leaky_rerope]"
-)
-RETRIEVAL_METHODS = "[none,ntk,dynamic_ntk,yarn,llama3,self_extend,string,dca,rerope,leaky_rerope]"
-
-
 SMOKE_TRAIN = ["model=tiny", "data.max_len=32", "data.batch_size=8", "trainer.max_steps=20",
                "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "optim.warmup_steps=5",
                "sample.max_new_tokens=0"]  # fmt: skip
@@ -67,11 +59,14 @@ class Steps:
             minutes = (time.monotonic() - self.started) / 60
             print(f"[study {minutes:5.1f} min] {line}", flush=True)
 
-    def step(self, name: str, done: Path, command: list[str]) -> None:
-        """Run one entry point (`command`: the interpreter's arguments, e.g. -m <module> <overrides>) unless its marker `done` exists; a failure stops the study with one sentence.
+    def step(self, name: str, done: Path, command: list[str], same_command: bool = False) -> None:
+        """Run one entry point (`command`: the interpreter's arguments, e.g. -m <module> <overrides>) unless its
+        marker `done` exists (with `same_command`: and records this command; an evaluation run again with
+        other options keeps its finished units); a failure stops the study with one sentence.
         The study writes `done` (atomically) only after the command succeeded, so a step killed while
         writing its outputs runs again."""
-        if done.exists():
+        recorded = " ".join(command) + "\n"
+        if done.exists() and (not same_command or done.read_text() == recorded):
             self.say(f"{name}: done ({done} exists), skipped")
             return
         if self.stopped.is_set():
@@ -97,7 +92,7 @@ class Steps:
             raise RuntimeError(
                 f"step {name!r} failed{where}; fix it and re-run with resume=true to continue."
             )
-        atomic_write_text(done, " ".join(command) + "\n")
+        atomic_write_text(done, recorded)
         self.say(f"{name}: finished in {(time.monotonic() - begun) / 60:.1f} min")
 
     def guarded(self, lane: Callable[[], None]) -> None:
@@ -126,14 +121,23 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     process's directory (relative paths in `train_extra` mean what they mean here)."""
     check_config(cfg)
     out = claim_results_directory(cfg.out, "resume", cfg.resume)  # a non-empty out: only with resume=true
-    lengths = SMOKE_LENGTHS if cfg.smoke else list(cfg.lengths)
-    retrieval_lengths = SMOKE_RETRIEVAL_LENGTHS if cfg.smoke else list(cfg.retrieval_lengths or lengths)
+    # the bases' context: an imported or reused base_ckpt's own, else the length the study trains at
+    base_len = 32 if cfg.smoke else checkpoint_context_len(cfg.base_ckpt) if cfg.base_ckpt else 256
+    lengths = SMOKE_LENGTHS if cfg.smoke else resolve_lengths(list(cfg.lengths), base_len)
+    retrieval_lengths = (
+        SMOKE_RETRIEVAL_LENGTHS
+        if cfg.smoke
+        else resolve_lengths(list(cfg.retrieval_lengths or lengths), base_len)
+    )
+    focus = [] if cfg.smoke else resolve_lengths(list(cfg.focus_lengths), base_len)
     # smoke trains at max_len 32, too short for recall windows: the recipe is a full-size choice
     recipe = [cfg.recipe] if cfg.recipe and not cfg.smoke else []
     train_args = (SMOKE_TRAIN if cfg.smoke else []) + train_extra
     extend_args = SMOKE_EXTEND if cfg.smoke else []
-    base_len = 32 if cfg.smoke else 256
-    threads = [f"threads={cfg.threads}"]
+    step_options = [
+        f"threads={cfg.threads}",
+        *(f"extend_options.{k}={v}" for k, v in cfg.extend_options.items()),
+    ]
     as_list = lambda xs: "[" + ",".join(map(str, xs)) + "]"  # noqa: E731
 
     def experiment(*names: str) -> list[str]:
@@ -153,22 +157,32 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
                    ["-m", TRAIN, f"hydra.run.dir={run_dir}", *train_args, *args, *resume])  # fmt: skip
         return run_dir
 
-    def evaluate(name: str, ckpt: Path, methods: str) -> None:
+    def focusing(methods: list[str], at: list[int]) -> list[str]:
+        """The focus options of a step over several methods (a fine-tune's one method has nothing to choose)."""
+        kept = [t for t in focus if t in at]
+        return (
+            [f"focus_lengths={as_list(kept)}", f"focus_count={cfg.focus_count}"]
+            if kept and len(methods) > 1
+            else []
+        )
+
+    def evaluate(name: str, ckpt: Path, methods: list[str]) -> None:
         for corpus in cfg.corpora:
             data = [] if corpus == "own" else [f"data={corpus}"]
             steps.step(f"eval {name} on {corpus}", out / "eval" / corpus / name / DONE,
                        ["-m", EVALUATE, f"ckpt={ckpt}", f"out={out / 'eval' / corpus / name}",
-                        f"methods={methods}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
-                        *threads, *data, *REDO])  # fmt: skip
+                        f"methods={as_list(methods)}", f"lengths={as_list(lengths)}", f"max_windows={cfg.max_windows}",
+                        *focusing(methods, lengths), *step_options, *data, *REDO], same_command=True)  # fmt: skip
 
-    def retrieve(name: str, ckpt: Path, methods: str) -> None:
+    def retrieve(name: str, ckpt: Path, methods: list[str]) -> None:
         if cfg.retrieval:
-            depths = "[0.0,0.5,1.0]" if cfg.smoke else "[0.0,0.25,0.5,0.75,1.0]"
+            depths = [0.0, 0.5, 1.0] if cfg.smoke else list(cfg.retrieval_depths)
             options = ["task_options.multikey.keys=2", "task_options.vartrack.chains=1"] if cfg.smoke else []
             steps.step(f"retrieval {name}", out / "retrieval" / name / DONE,
-                       ["-m", RETRIEVE, f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={methods}",
-                        f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={depths}", f"trials={cfg.retrieval_trials}",
-                        f"lengths={as_list(retrieval_lengths)}", *options, *threads, *REDO])  # fmt: skip
+                       ["-m", RETRIEVE, f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={as_list(methods)}",
+                        f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={as_list(depths)}", f"trials={cfg.retrieval_trials}",
+                        f"lengths={as_list(retrieval_lengths)}", f"chat={str(cfg.chat).lower()}",
+                        *focusing(methods, retrieval_lengths), *options, *step_options, *REDO], same_command=True)  # fmt: skip
 
     seeds = seed_list(cfg.seeds)
     bases = {
@@ -198,8 +212,8 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
                 train(name, *experiment(), f"data.max_len={base_len}", "rope=none", *seeded)
         finally:  # also on failure, so the fine-tunes' lanes stop waiting (and then start nothing)
             trained[name].set()
-        evaluate(name, bases[name], ZERO_SHOT)
-        retrieve(name, bases[name], RETRIEVAL_METHODS)
+        evaluate(name, bases[name], list(cfg.methods))
+        retrieve(name, bases[name], list(cfg.retrieval_methods))
 
     def extend_lane(name: str) -> None:
         base, recipe_name, overrides = finetunes[name]
@@ -208,20 +222,20 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
             raise Cancelled(f"train {name}")
         init = resolve_checkpoint(bases[base])  # init_from takes a .ckpt file
         run_dir = train(name, *experiment(recipe_name), f"init_from={init}", *overrides)
-        evaluate(name, run_dir, "[ckpt]")
-        retrieve(name, run_dir, "[ckpt]")
+        evaluate(name, run_dir, ["ckpt"])
+        retrieve(name, run_dir, ["ckpt"])
 
     def randomized_lane() -> None:
         # target_len: the longest evaluated length, as the paper's L_max covers the test lengths
         args = (*experiment("randomized_positions"), f"data.max_len={base_len}", "rope=none")
         run_dir = train(RANDOMIZED, *args, f"positions.target_len={max(lengths)}")
-        evaluate(RANDOMIZED, run_dir, "[none]")
-        retrieve(RANDOMIZED, run_dir, "[none]")
+        evaluate(RANDOMIZED, run_dir, ["none"])
+        retrieve(RANDOMIZED, run_dir, ["none"])
 
     def large_base_lane() -> None:
         large_args = (*experiment(), f"data.max_len={base_len}", "rope=none", f"rope.base={cfg.large_base}")
         large = Path(cfg.large_base_ckpt) if cfg.large_base_ckpt else train("large_base", *large_args)
-        evaluate("large_base", large, "[none]")
+        evaluate("large_base", large, ["none"])
 
     # after the bases, the longest lanes first (a base trained from scratch takes twice a fine-tune's lane), so
     # that they do not end the study alone on one core; the fine-tunes fill the other workers

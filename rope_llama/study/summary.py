@@ -32,9 +32,14 @@ def summarise(
         corpus: [w for m in models for w in read_csv(out / "eval" / corpus / m / "windows.csv", **columns[m])]
         for corpus in cfg.corpora
     }
+    bases = (
+        f"The base model {cfg.base_ckpt} (context L = {base_len}); "
+        if cfg.base_ckpt
+        else f"{len(seeds)} base model(s) trained at L = {base_len} (recipe: "
+        f"{(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds {', '.join(map(str, seeds))}); "
+    )
     header = (
-        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{len(seeds)} base model(s) trained at "
-        f"L = {base_len} (recipe: {(not cfg.smoke and cfg.recipe) or 'the default job'}; seeds {', '.join(map(str, seeds))}); "
+        f"# RoPE extrapolation study ({'smoke' if cfg.smoke else 'full'})\n\n{bases}"
         + (
             f"`pi`/`yarn` fine-tuned at 4L from the base{several} of seed{several} {', '.join(map(str, finetuned))}; "
             if finetuned
