@@ -203,14 +203,7 @@ def test_study_runs_jobs_steps_at_once_and_fine_tunes_only_after_the_first_base(
 def test_large_base_null_runs_no_large_base_lane(tmp_path, monkeypatch, large_base, trained):
     """large_base=null: the study trains and evaluates only the bases (and what else is asked); a number
     trains the large-base model with that rope.base."""
-    commands = []
-
-    def fake_run(command, **_):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=0)
-
-    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
-    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    commands = recorded_steps(monkeypatch)
     study = config.StudyConfig(out=str(tmp_path), seeds=1, finetune_seeds=0, pose=False, randomized=False,
                                corpora=["own"], jobs=1, large_base=large_base)  # fmt: skip
     lanes.run(study, [])
@@ -536,6 +529,19 @@ def test_study_retrieval_tables_compare_first_token_margins():
     assert "(margin), base models, T = 512: significant orderings (95%): yarn < none" in text
 
 
+def recorded_steps(monkeypatch) -> list[list[str]]:
+    """The study's step commands, recorded instead of run (each succeeds); no summary is written."""
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    return commands
+
+
 def imported_base(tmp_path: Path, context_len: int = 8192) -> Path:
     """A checkpoint with no training config beside it (as import_gguf.py writes) claiming `context_len`."""
     from rope_llama.core.checkpoint import weights_checkpoint
@@ -555,14 +561,7 @@ def imported_base(tmp_path: Path, context_len: int = 8192) -> Path:
 def test_an_imported_base_is_evaluated_at_multiples_of_its_own_context(tmp_path, monkeypatch):
     """base_ckpt of an import: no training; lengths and focus lengths as multiples of its context; the methods,
     extension options, depths, chat and focus options reach the steps; `own` (no training config) is refused."""
-    commands = []
-
-    def fake_run(command, **_):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=0)
-
-    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
-    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    commands = recorded_steps(monkeypatch)
     base = imported_base(tmp_path)
     options = dict(out=str(tmp_path / "out"), base_ckpt=str(base), seeds=1, finetune_seeds=0, pose=False,
                    randomized=False, large_base=None, jobs=1)  # fmt: skip
@@ -587,14 +586,7 @@ def test_an_imported_base_is_evaluated_at_multiples_of_its_own_context(tmp_path,
 def test_an_evaluation_step_runs_again_when_its_command_changes(tmp_path, monkeypatch):
     """A finished evaluation asked again with other options (more windows) runs again (its units make that
     cheap); asked the same, it is skipped. A training's marker alone still means done."""
-    commands = []
-
-    def fake_run(command, **_):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=0)
-
-    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
-    monkeypatch.setattr(lanes, "summarise", lambda *args: None)
+    commands = recorded_steps(monkeypatch)
     options = dict(out=str(tmp_path / "out"), base_ckpt=str(imported_base(tmp_path)), seeds=1, finetune_seeds=0,
                    pose=False, randomized=False, large_base=None, jobs=1, corpora=["kjv"], retrieval=False)  # fmt: skip
     lanes.run(config.StudyConfig(**options, max_windows=1), [])
