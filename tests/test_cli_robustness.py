@@ -153,7 +153,7 @@ ROWS = [
         Row("study-recipe-unknown", STUDY, "out={OUT} recipe=bogus", 2,
             "recipe='bogus' is not an experiment; choose one of", post="nothing written to out"),
         Row("study-lengths-empty", STUDY, "out={OUT} lengths=[]", 2,
-            "lengths must be a non-empty list of integers >= 2, got [].", post="nothing written to out"),
+            "lengths must be a non-empty list of integers >= 2 or multiples of the context length such as 2x, got [].", post="nothing written to out"),
     ),
     # the tiny model's KV cache takes 512 bytes per token: 10^9 tokens are 512 GB, 10^10 are 5 TB
     # (eval's 10^8 would be only 51 GB, which a large machine grants)
@@ -264,12 +264,9 @@ ROWS = [
             setup="crafted pickle", post="marker never created, nothing written to out"),
         Row("passkey-crafted", PASSKEY, "ckpt={EVIL} out={OUT} lengths=[32]", 2, "{REFUSAL}",
             setup="crafted pickle", post="marker never created, nothing written to out"),
-        # study runs each step as a subprocess: the step's own error line, then the study's naming the step
-        # (jobs=1: one step at a time, on the terminal; with more, the other lanes' steps would write to out)
+        # the study reads base_ckpt's context length before its first step: refused there, no step runs
         Row("study-base-ckpt-crafted", STUDY, "out={OUT} base_ckpt={EVIL} seeds=1 smoke=true jobs=1", 2,
-            "step 'eval base_s0 on own' failed; fix it and re-run with resume=true to continue.", lines=2,
-            setup="crafted pickle",
-            post="marker never created, first line is the refusal, nothing written to out"),
+            "{REFUSAL}", setup="crafted pickle", post="marker never created, nothing written to out"),
         *([Row("export-gguf-crafted", EXPORT_GGUF, "ckpt={EVIL} out={OUT}/m.gguf", 2, "{REFUSAL}",
                setup="crafted pickle", post="marker never created, nothing written to out")] if GGUF else []),
     ),
@@ -477,10 +474,6 @@ def checkpoint_still_loads(ctx: dict, proc: subprocess.CompletedProcess) -> None
     assert [p.name for p in ctx["VICTIM"].iterdir()] == ["checkpoints"]  # nothing written beside it
 
 
-def first_line_is_the_refusal(ctx: dict, proc: subprocess.CompletedProcess) -> None:
-    assert proc.stderr.splitlines()[0] == f"error: {ctx['REFUSAL']}"
-
-
 def trained_steps(steps: int) -> Callable[[dict, subprocess.CompletedProcess], None]:
     def check(ctx: dict, proc: subprocess.CompletedProcess) -> None:
         assert safe_load(ctx["RUN_DIR"] / "checkpoints" / "last.ckpt")["global_step"] == steps
@@ -528,7 +521,6 @@ POST: dict[str, Callable[[dict, subprocess.CompletedProcess], None]] = {
     "prompt and new text printed": prompt_and_new_text_printed,
     "hf dir unchanged": hf_dir_unchanged,
     "checkpoint still loads": checkpoint_still_loads,
-    "first line is the refusal": first_line_is_the_refusal,
     "trained 20 steps": trained_steps(20),
     "token shard kept": token_shard_kept,
 }

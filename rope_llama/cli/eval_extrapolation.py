@@ -107,8 +107,8 @@ def cell_units(
     ]  # fmt: skip
     missing = [i for i, k in enumerate(keys) if store.get(k) is None]
     batch = rows_per_forward(cfg.batch_tokens, length)
-    for begin in range(0, len(missing), batch):
-        group = missing[begin : begin + batch]
+    for first in range(0, len(missing), batch):
+        group = missing[first : first + batch]
         for i, loss in zip(group, window_losses(model, wins[group], cfg.chunk, batch)):  # loss: (T,)
             store.put(keys[i], {"loss": float(loss.double().mean()),
                                 "tail_loss": float(loss[-context_len:].double().mean()),

@@ -297,8 +297,8 @@ def answered_units(
         for p, c in zip(prompts, candidates)
     ]  # fmt: skip
     missing = [i for i, k in enumerate(keys) if store.get(k) is None]
-    for begin in range(0, len(missing), rows):  # stored after each forward: a kill loses one at most
-        group = missing[begin : begin + rows]
+    for first in range(0, len(missing), rows):  # stored after each forward: a kill loses one at most
+        group = missing[first : first + rows]
         answered = answer_prompts(
             model, tok, [prompts[i] for i in group], [candidates[i] for i in group], cfg.max_new_tokens, rows
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rope_llama import CONFIGS
-from rope_llama.core.checkpoint import resolve_checkpoint
+from rope_llama.core.checkpoint import checkpoint_context_len, resolve_checkpoint
 from rope_llama.core.checks import check_lengths, check_number, is_integer
 from rope_llama.core.threads import check_threads
 from rope_llama.inference.evaluation import check_method
@@ -105,8 +105,8 @@ def check_config(cfg: StudyConfig) -> None:
             f"corpora {unknown} are unknown; a corpus is `own` or a data group ({', '.join(groups)})."
         )
     for name in ("base_ckpt", "large_base_ckpt"):
-        if getattr(cfg, name) is not None:
-            resolve_checkpoint(getattr(cfg, name))  # one sentence when it does not exist
+        if getattr(cfg, name) is not None:  # one sentence when it does not exist or is not plain data
+            checkpoint_context_len(getattr(cfg, name))
     if cfg.base_ckpt and "own" in cfg.corpora:
         saved = resolve_checkpoint(cfg.base_ckpt).parent.parent / ".hydra" / "config.yaml"
         if not saved.is_file():
@@ -114,9 +114,11 @@ def check_config(cfg: StudyConfig) -> None:
                 f"corpora has `own`, the base's training data, but {cfg.base_ckpt} has no training config "
                 f"({saved}; an imported model); name data groups instead, e.g. corpora=[shakespeare,kjv]."
             )
-    for name in ("lengths", "retrieval_lengths", "focus_lengths"):
-        if getattr(cfg, name):
+    for name in ("lengths", "retrieval_lengths"):  # null retrieval_lengths: lengths
+        if getattr(cfg, name) is not None:
             check_lengths(name, list(getattr(cfg, name)), relative=True)
+    if cfg.focus_lengths:  # empty: no length is focused
+        check_lengths("focus_lengths", list(cfg.focus_lengths), relative=True)
     for name in ("methods", "retrieval_methods"):
         if not getattr(cfg, name):
             raise ValueError(f"{name} is empty; give at least one method, e.g. {name}=[none,yarn].")
