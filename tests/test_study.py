@@ -150,12 +150,8 @@ def test_study_seed_list_names_the_bases_and_fine_tunes_the_first(tmp_path, monk
         lanes.run(
             config.StudyConfig(out=str(tmp_path), resume=True, seeds=[7, 3], corpora=["own"], jobs=1), []
         )
-    evaluations = [
-        ("rope_llama.cli.eval_extrapolation", "base_s7"),
-        ("rope_llama.cli.passkey", "base_s7"),
-        ("rope_llama.cli.eval_extrapolation", "base_s3"),
-        ("rope_llama.cli.passkey", "base_s3"),
-    ]
+    evaluations = [(f"rope_llama.cli.{entry}", base) for base in ("base_s7", "base_s3")
+                   for entry in ("eval_extrapolation", "passkey")]  # fmt: skip
     of_bases = [(c[2], Path(c[3].removeprefix("ckpt=")).name) for c in commands[:-1] if "base_s" in c[3]]
     assert of_bases == evaluations and commands[-1][2] == "rope_llama.cli.train"
     assert f"init_from={tmp_path / 'runs' / 'base_s7' / 'last.ckpt'}" in commands[-1]
