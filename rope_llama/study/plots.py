@@ -1,4 +1,5 @@
-"""The study's perplexity plot: perplexity vs length per corpus, one line per model/method over seeds."""
+"""The study's plots: perplexity vs length per corpus, one line per model/method over seeds; retrieval accuracy
+by needle depth, one heatmap row per model/method and one panel per length."""
 
 from __future__ import annotations
 
@@ -36,6 +37,57 @@ def plot_corpora(windows: dict[str, list[dict]], max_len: int, path: Path) -> No
         )
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def depth_grid(
+    trials: list[dict], length: int, column: str
+) -> tuple[list[str], list[float], np.ndarray, list[int]]:
+    """The trials of one task at `length` as (model/method names in first-seen order, depths, the (names,
+    depths) mean of `column` (NaN where a cell has no trial), the trial counts per cell, sorted, distinct)."""
+    rows = [t for t in trials if t["length"] == length]
+    names = list(dict.fromkeys(t["model"] + "/" + t["method"] for t in rows))
+    depths = sorted({t["depth"] for t in rows})
+    cells = defaultdict(list)
+    for t in rows:
+        cells[t["model"] + "/" + t["method"], t["depth"]].append(t[column])
+    grid = np.array([[np.mean(cells[n, d]) if (n, d) in cells else np.nan for d in depths] for n in names])
+    return names, depths, grid, sorted({len(v) for v in cells.values()})
+
+
+def plot_depths(trials: list[dict], task: str, path: Path, column: str = "greedy_correct") -> None:
+    """`task`'s accuracy (the mean of `column` over seeds and trials) by needle depth: one panel per prompt
+    length, one row per model/method, the trials per cell in each panel's title."""
+    rows = [t for t in trials if t["task"] == task]
+    lengths = sorted({t["length"] for t in rows})
+    names, depths, _, _ = depth_grid(rows, lengths[0], column)
+    fig, axes = plt.subplots(
+        1,
+        len(lengths),
+        figsize=(1.1 * len(depths) * len(lengths) + 3, 0.35 * len(names) + 1.6),
+        squeeze=False,
+    )
+    for ax, length in zip(axes[0], lengths):
+        names, depths, grid, counts = depth_grid(rows, length, column)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.0%}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if v < 0.5 else "black",
+                )
+        per_cell = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        ax.set(xticks=range(len(depths)), xticklabels=depths, xlabel="needle depth",
+               title=f"T = {length} ({per_cell} per cell)")  # fmt: skip
+        ax.set_yticks(range(len(names)), labels=names, fontsize=8)
+    fig.suptitle(f"{task}: {column.removesuffix('_correct')} accuracy by depth")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

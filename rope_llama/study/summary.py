@@ -9,7 +9,7 @@ from rope_llama.core.checkpoint import atomic_write_text
 from rope_llama.inference.reporting import plot_vs_length, write_csv
 from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.study.config import StudyConfig, model_and_seed
-from rope_llama.study.plots import plot_corpora
+from rope_llama.study.plots import plot_corpora, plot_depths
 from rope_llama.study.tables import (
     cost_table,
     paired_extensions,
@@ -74,7 +74,8 @@ def summarise(
             if (out / "retrieval" / m / "trials.csv").exists()
             for t in read_csv(out / "retrieval" / m / "trials.csv", **columns[m])
         ]
-        accuracy, paired_retrieval, md = retrieval_tables(trials + pooled_heldout(trials))
+        trials += pooled_heldout(trials)  # the held-out families together: the headline task
+        accuracy, paired_retrieval, md = retrieval_tables(trials)
         write_csv(out / "retrieval.csv", accuracy)
         if paired_retrieval:  # empty when the base models ran a single retrieval method
             write_csv(out / "paired_retrieval.csv", paired_retrieval)
@@ -83,8 +84,13 @@ def summarise(
             rows = [r for r in accuracy if r["task"] == task]
             plot_vs_length(rows, task, out / f"retrieval_{task}.png")
             plot_vs_length(rows, task, out / f"retrieval_{task}_ranking.png", metric="ranking")
+            plot_depths(trials, task, out / f"retrieval_{task}_depths.png")
     atomic_write_text(out / "summary.md", "\n".join(text))
     print(
         f"[study] wrote {out / 'summary.md'}, summary.png, paired_ppl.csv"
-        + (", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking].png" if cfg.retrieval else "")
+        + (
+            ", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking|_depths].png"
+            if cfg.retrieval
+            else ""
+        )
     )

@@ -77,9 +77,53 @@ def paired_ppl(windows: list[dict], corpus: str, model: str, max_len: int) -> tu
         clusters = np.array([[u[1], u[0]] for u in units])
         table = pairwise_table(values, clusters, higher_is_better=False)
         rows += [{"corpus": corpus, "model": model, "length": length, **r} for r in table]
-        text += [f"\n#### {corpus}, {model}, T = {length}: loss difference (nats), row minus column\n",
+        ranking = against_best(table, {m: float(v.mean()) for m, v in values.items()}, higher_is_better=False)
+        text += [f"\n#### {corpus}, {model}, T = {length}: each method against the best (loss, nats)\n",
+                 against_best_markdown(ranking, "mean loss"),
+                 f"\n#### {corpus}, {model}, T = {length}: loss difference (nats), row minus column\n",
                  pairwise_markdown(table), "", "Significant orderings (95%): " + orderings(table), ""]  # fmt: skip
     return rows, "\n".join(text)
+
+
+def against_best(table: list[dict], means: dict[str, float], higher_is_better: bool) -> list[dict]:
+    """Each method against the best one (highest or lowest mean) from `pairwise_table` rows of the same
+    methods: one row per method, best first, then by mean: method, mean, diff = method - best (0 for the
+    best), ci_low, ci_high (its 95% interval) and significant (the interval excludes 0)."""
+    best = (max if higher_is_better else min)(means, key=means.get)
+    rows = [
+        {
+            "method": best,
+            "mean": means[best],
+            "diff": 0.0,
+            "ci_low": 0.0,
+            "ci_high": 0.0,
+            "significant": False,
+        }
+    ]
+    for r in table:
+        if best in (r["a"], r["b"]):
+            other, sign = (
+                (r["b"], 1) if r["a"] == best else (r["a"], -1)
+            )  # rows hold a - b: turn to other - best
+            low, high = sorted((-sign * r["ci_low"], -sign * r["ci_high"]))
+            rows.append({"method": other, "mean": means[other], "diff": -sign * r["diff"], "ci_low": low,
+                         "ci_high": high, "significant": r["significant"]})  # fmt: skip
+    return [rows[0], *sorted(rows[1:], key=lambda r: -r["mean"] if higher_is_better else r["mean"])]
+
+
+def against_best_markdown(rows: list[dict], value: str, digits: int = 3) -> str:
+    """`against_best` rows as a ranking table: rank, method, `value` (the mean's name), difference to
+    the best [95%], a * where it is significant."""
+    lines = [f"| rank | method | {value} | minus the best [95%] |", "|---|---|---|---|"]
+    for rank, r in enumerate(rows, 1):
+        diff = (
+            "best"
+            if rank == 1
+            else f"{r['diff']:+.{digits}f} [{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}]"
+            + " *" * r["significant"]
+        )
+        lines.append(f"| {rank} | {r['method']} | {r['mean']:.4f} | {diff} |")
+    return "\n".join(lines)
 
 
 def orderings(table: list[dict]) -> str:
@@ -314,9 +358,14 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                 values = {m: np.array([v[u] for u in units], dtype=float) for m, v in by_method.items()}
                 table = pairwise_table(values, np.array([[u[0], u[1]] for u in units]), higher_is_better=True)
                 paired += [{"task": task, "metric": name, "length": length, **r} for r in table]
-                text.append(
-                    f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}"
+                ranking = against_best(
+                    table, {m: float(v.mean()) for m, v in values.items()}, higher_is_better=True
                 )
+                text += [
+                    f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}",
+                    f"\n{task} ({name}), base models, T = {length}, each method against the best:\n",
+                    against_best_markdown(ranking, "mean" if name == "margin" else "accuracy"),
+                ]
     return accuracy, paired, "\n".join(text) + "\n"
 
 

@@ -1,0 +1,93 @@
+"""The study's rankings against the best method (rope_llama/study/tables.py `against_best`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rope_llama.inference.stats import pairwise_table
+from rope_llama.study import plots, tables
+
+
+def test_against_best_turns_every_pair_with_the_best_into_method_minus_best():
+    """Losses on 8 units: `good` is 0.1 below `none` everywhere, `close` 0.001 above `good` up to a sign that
+    alternates, `bad` 0.5 above. The best is the lowest mean (good); each other row is its own mean minus
+    good's with the interval turned the same way, ranked by mean; `close` alone is not significant."""
+    rng = np.random.default_rng(0)
+    base = 4 + rng.normal(0, 0.3, 8)
+    wiggle = np.array([0.02, -0.018] * 4)
+    values = {"none": base, "close": base - 0.1 + wiggle, "good": base - 0.1, "bad": base + 0.5}
+    table = pairwise_table(values, np.arange(8), higher_is_better=False)
+    means = {m: float(v.mean()) for m, v in values.items()}
+    rows = tables.against_best(table, means, higher_is_better=False)
+    assert [r["method"] for r in rows] == ["good", "close", "none", "bad"]
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["diff"] == pytest.approx(0.1) and by["bad"]["diff"] == pytest.approx(0.6)
+    assert by["none"]["ci_low"] <= 0.1 <= by["none"]["ci_high"] and by["none"]["significant"]
+    assert by["close"]["diff"] == pytest.approx(0.001) and not by["close"]["significant"]
+    assert by["close"]["ci_low"] < 0 < by["close"]["ci_high"]
+    text = tables.against_best_markdown(rows, "mean loss")
+    assert text.splitlines()[2] == f"| 1 | good | {means['good']:.4f} | best |"
+    assert text.splitlines()[5].startswith("| 4 | bad |") and text.splitlines()[5].endswith(" * |")
+    assert not text.splitlines()[3].endswith("* |")  # close: its interval holds 0
+
+
+def test_against_best_takes_the_highest_mean_when_higher_is_better():
+    """Accuracies per prompt: yarn 1, 1, 1, 0; none 0 everywhere. yarn is best and none's row is negative."""
+    values = {"none": np.zeros(4), "yarn": np.array([1.0, 1, 1, 0])}
+    table = pairwise_table(values, np.arange(4), higher_is_better=True)
+    rows = tables.against_best(table, {"none": 0.0, "yarn": 0.75}, higher_is_better=True)
+    assert [r["method"] for r in rows] == ["yarn", "none"]
+    assert rows[1]["diff"] == pytest.approx(-0.75) and rows[1]["ci_high"] <= 0
+
+
+def test_the_study_tables_rank_against_the_best_for_perplexity_and_retrieval():
+    """paired_ppl and retrieval_tables both print the ranking against the best per cell."""
+    windows = [
+        {
+            "model": "base",
+            "method": m,
+            "length": 512,
+            "seed": 0,
+            "document": d,
+            "window": 0,
+            "loss": 4 + d + delta,
+        }
+        for d in range(3)
+        for m, delta in (("none", 0.2), ("yarn", 0.0))
+    ]
+    _, text = tables.paired_ppl(windows, "own", "base", max_len=256)
+    assert "own, base, T = 512: each method against the best (loss, nats)" in text
+    assert (
+        "| 1 | yarn | 5.0000 | best |" in text and "| 2 | none | 5.2000 | +0.200 [+0.200, +0.200] * |" in text
+    )
+    trials = [
+        {"task": "passkey", "model": "base", "seed": 0, "method": m, "length": 512, "depth": d, "trial": 0,
+         "greedy_correct": int(m == "yarn"), "rank_correct": 1}
+        for d in (0.0, 0.5, 1.0)
+        for m in ("none", "yarn")
+    ]  # fmt: skip
+    _, _, text = tables.retrieval_tables(trials)
+    assert "passkey (greedy), base models, T = 512, each method against the best:" in text
+    assert (
+        "| 1 | yarn | 1.0000 | best |" in text and "| 2 | none | 0.0000 | -1.000 [-1.000, -1.000] * |" in text
+    )
+
+
+def test_the_depth_heatmap_averages_each_method_and_depth_and_counts_its_trials(tmp_path):
+    """yarn answers at depth 0 in 2 of 2 trials and at 0.5 in 1 of 2; none only ran at depth 0 (0 of 1)."""
+    trials = [
+        {"task": "passkey", "model": "base", "method": m, "length": 512, "depth": d, "greedy_correct": c}
+        for m, d, c in (
+            ("yarn", 0.0, 1),
+            ("yarn", 0.0, 1),
+            ("yarn", 0.5, 1),
+            ("yarn", 0.5, 0),
+            ("none", 0.0, 0),
+        )
+    ]
+    names, depths, grid, counts = plots.depth_grid(trials, 512, "greedy_correct")
+    assert names == ["base/yarn", "base/none"] and depths == [0.0, 0.5] and counts == [1, 2]
+    np.testing.assert_array_equal(grid, [[1.0, 0.5], [0.0, np.nan]])
+    plots.plot_depths(trials, "passkey", tmp_path / "depths.png")
+    assert (tmp_path / "depths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
