@@ -217,15 +217,31 @@ def plot_ppl_vs_length(rows: list[dict], context_len: int, path: Path) -> None:
 
 
 def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> None:
-    """Loss vs position at the longest length, one curve per method."""
+    """Loss vs position at the longest length, one curve per method: the loss itself (left) and its excess over
+    the lowest method's in each position bucket (right: who falls behind, and from where)."""
     longest = max(c["length"] for c in curves)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(c["method"] for c in curves):
-        sel = [c for c in curves if c["method"] == method and c["length"] == longest]
-        ax.plot([(c["start"] + c["end"]) / 2 for c in sel], [c["loss"] for c in sel], label=method)
-    ax.axvline(context_len, color="gray", linestyle="--", linewidth=1)
-    ax.set(xlabel="position", ylabel="loss (nats / token)", title=f"loss vs position at T={longest}")
-    ax.legend()
+    by_method = {
+        method: sorted(
+            (c for c in curves if c["method"] == method and c["length"] == longest), key=lambda c: c["start"]
+        )
+        for method in dict.fromkeys(c["method"] for c in curves)
+    }
+    x = [(c["start"] + c["end"]) / 2 for c in next(iter(by_method.values()))]
+    losses = {m: np.array([c["loss"] for c in rows]) for m, rows in by_method.items()}
+    lowest = np.min(np.stack(list(losses.values())), axis=0)  # (buckets,) the best method's loss per bucket
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = plt.get_cmap("tab20").colors  # distinct colours for up to 20 methods
+    for k, (method, loss) in enumerate(losses.items()):
+        style = {"color": colors[(2 * k) % 20 + (2 * k) // 20], "linestyle": "-" if k < 10 else "--"}
+        axes[0].plot(x, loss, label=method, **style)
+        axes[1].plot(x, loss - lowest, label=method, **style)
+    for ax, ylabel in zip(axes, ("loss (nats / token)", "loss minus the lowest method's (nats)")):
+        ax.axvline(context_len, color="gray", linestyle="--", linewidth=1)
+        ax.set(xlabel="position", ylabel=ylabel)
+    axes[0].set_title(f"loss vs position at T={longest}")
+    axes[1].set_yscale("symlog", linthresh=0.05)  # linear near 0, where the close methods differ
+    axes[1].set(ylim=(0, None), title="excess over the best method per position")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
