@@ -91,3 +91,25 @@ def test_the_depth_heatmap_averages_each_method_and_depth_and_counts_its_trials(
     np.testing.assert_array_equal(grid, [[1.0, 0.5], [0.0, np.nan]])
     plots.plot_depths(trials, "passkey", tmp_path / "depths.png")
     assert (tmp_path / "depths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paired_perplexity_starts_at_the_training_length():
+    """Windows at 128, 256 (= L) and 512: the remap `dca` is 0.01 below `none` at L, so L gets its table (where
+    the remaps differ from plain RoPE); 128 gets none."""
+    windows = [
+        {
+            "model": "base",
+            "method": m,
+            "length": t,
+            "seed": 0,
+            "document": d,
+            "window": 0,
+            "loss": 4 + d - delta,
+        }
+        for t in (128, 256, 512)
+        for d in range(3)
+        for m, delta in (("none", 0.0), ("dca", 0.01))
+    ]
+    rows, text = tables.paired_ppl(windows, "own", "base", max_len=256)
+    assert sorted({r["length"] for r in rows}) == [256, 512]
+    assert "own, base, T = 256: each method against the best" in text and "T = 128" not in text

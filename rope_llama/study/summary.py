@@ -63,7 +63,7 @@ def summarise(
         extension_rows, extension_md = paired_extensions(rows, corpus, base_len, seeds[0])
         paired += rows_paired + extension_rows
         text += [md, extension_md]
-    if paired:  # empty when no length exceeds the training length
+    if paired:  # empty when no length reaches the training length
         write_csv(out / "paired_ppl.csv", paired)
     text.append(cost_table(out, windows, models, base_len, seeds[0]))
     plot_corpora(windows, base_len, out / "summary.png")

@@ -64,10 +64,11 @@ def seed_table(windows: list[dict], corpus: str) -> str:
 
 
 def paired_ppl(windows: list[dict], corpus: str, model: str, max_len: int) -> tuple[list[dict], str]:
-    """For every length beyond training: every pair of `model`'s methods compared on the same windows
+    """For the training length and every length beyond: every pair of `model`'s methods compared on the same windows
     (mean loss difference in nats; units = (seed, document, window), clusters = (document, seed))."""
     rows, text = [], []
-    for length in sorted({w["length"] for w in windows if w["model"] == model and w["length"] > max_len}):
+    # from the training length on: inside it the remaps differ from plain RoPE (and every scaling equals it)
+    for length in sorted({w["length"] for w in windows if w["model"] == model and w["length"] >= max_len}):
         cell = [w for w in windows if w["model"] == model and w["length"] == length]
         by_method = defaultdict(dict)
         for w in cell:
