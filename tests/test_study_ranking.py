@@ -39,6 +39,12 @@ def test_against_best_takes_the_highest_mean_when_higher_is_better():
     rows = tables.against_best(table, {"none": 0.0, "yarn": 0.75}, higher_is_better=True)
     assert [r["method"] for r in rows] == ["yarn", "none"]
     assert rows[1]["diff"] == pytest.approx(-0.75) and rows[1]["ci_high"] <= 0
+    tied = tables.against_best(
+        pairwise_table({"a": np.ones(3), "b": np.ones(3)}, np.arange(3), higher_is_better=True),
+        {"a": 1.0, "b": 1.0},
+        higher_is_better=True,
+    )
+    assert "| 2 | b | 1.0000 | +0.000 [+0.000, +0.000] |" in tables.against_best_markdown(tied, "accuracy")
 
 
 def test_the_study_tables_rank_against_the_best_for_perplexity_and_retrieval():

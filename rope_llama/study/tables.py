@@ -103,11 +103,10 @@ def against_best(table: list[dict], means: dict[str, float], higher_is_better: b
     ]
     for r in table:
         if best in (r["a"], r["b"]):
-            other, sign = (
-                (r["b"], 1) if r["a"] == best else (r["a"], -1)
-            )  # rows hold a - b: turn to other - best
-            low, high = sorted((-sign * r["ci_low"], -sign * r["ci_high"]))
-            rows.append({"method": other, "mean": means[other], "diff": -sign * r["diff"], "ci_low": low,
+            # rows hold a - b: turned into other - best
+            other, sign = (r["b"], 1) if r["a"] == best else (r["a"], -1)
+            low, high = sorted((-sign * r["ci_low"] + 0.0, -sign * r["ci_high"] + 0.0))  # + 0.0: no "-0.000"
+            rows.append({"method": other, "mean": means[other], "diff": -sign * r["diff"] + 0.0, "ci_low": low,
                          "ci_high": high, "significant": r["significant"]})  # fmt: skip
     return [rows[0], *sorted(rows[1:], key=lambda r: -r["mean"] if higher_is_better else r["mean"])]
 
