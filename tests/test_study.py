@@ -361,6 +361,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
     for name in (
         "summary.png",
         "retrieval_passkey.png",
+        "retrieval_passkey_depths.png",
         "retrieval_heldout.png",
         "paired_ppl.csv",
         "retrieval.csv",
@@ -371,7 +372,7 @@ def test_study_smoke_runs_every_step_and_resumes(tmp_path):
         paired = list(csv.DictReader(f))
     n_methods = len(ZERO_SHOT)
     base = [r for r in paired if r["model"] == "base"]
-    assert len(base) == 2 * 4 * n_methods * (n_methods - 1) // 2  # corpora x lengths beyond L x pairs
+    assert len(base) == 2 * 5 * n_methods * (n_methods - 1) // 2  # corpora x lengths from L on x pairs
     # the best zero-shot method, pi, yarn, six PoSE fine-tunes, the large base and the randomized one
     assert len(paired) - len(base) == 2 * 4 * 11 * 10 // 2
     again = subprocess.run(
