@@ -220,11 +220,10 @@ def plot_loss_vs_position(curves: list[dict], context_len: int, path: Path) -> N
     """Loss vs position at the longest length, one curve per method: the loss itself (left) and its excess over
     the lowest method's in each position bucket (right: who falls behind, and from where)."""
     longest = max(c["length"] for c in curves)
+    at_longest = [c for c in curves if c["length"] == longest]  # a focus length runs only some methods
     by_method = {
-        method: sorted(
-            (c for c in curves if c["method"] == method and c["length"] == longest), key=lambda c: c["start"]
-        )
-        for method in dict.fromkeys(c["method"] for c in curves)
+        method: sorted((c for c in at_longest if c["method"] == method), key=lambda c: c["start"])
+        for method in dict.fromkeys(c["method"] for c in at_longest)
     }
     x = [(c["start"] + c["end"]) / 2 for c in next(iter(by_method.values()))]
     losses = {m: np.array([c["loss"] for c in rows]) for m, rows in by_method.items()}
