@@ -61,28 +61,15 @@ def plot_depths(trials: list[dict], task: str, path: Path, column: str = "greedy
     """`task`'s accuracy (the mean of `column` over seeds and trials) by needle depth: one panel per prompt
     length, one row per model/method, the trials per cell in each panel's title."""
     rows = [t for t in trials if t["task"] == task]
-    lengths = sorted({t["length"] for t in rows})
-    names, depths, _, _ = depth_grid(rows, lengths[0], column)
-    fig, axes = plt.subplots(
-        1,
-        len(lengths),
-        figsize=(1.1 * len(depths) * len(lengths) + 3, 0.35 * len(names) + 1.6),
-        squeeze=False,
-    )
-    for ax, length in zip(axes[0], lengths):
-        names, depths, grid, counts = depth_grid(rows, length, column)
+    grids = {length: depth_grid(rows, length, column) for length in sorted({t["length"] for t in rows})}
+    names, depths, _, _ = next(iter(grids.values()))
+    fig, axes = plt.subplots(1, len(grids), figsize=(1.1 * len(depths) * len(grids) + 3, 0.35 * len(names) + 1.6),
+                             squeeze=False)  # fmt: skip
+    for ax, (length, (names, depths, grid, counts)) in zip(axes[0], grids.items()):
         ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):
-                ax.text(
-                    j,
-                    i,
-                    f"{v:.0%}",
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if v < 0.5 else "black",
-                )
+                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color="white" if v < 0.5 else "black")  # fmt: skip
         per_cell = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
         ax.set(xticks=range(len(depths)), xticklabels=depths, xlabel="needle depth",
                title=f"T = {length} ({per_cell} per cell)")  # fmt: skip

@@ -91,16 +91,7 @@ def against_best(table: list[dict], means: dict[str, float], higher_is_better: b
     methods: one row per method, best first, then by mean: method, mean, diff = method - best (0 for the
     best), ci_low, ci_high (its 95% interval) and significant (the interval excludes 0)."""
     best = (max if higher_is_better else min)(means, key=means.get)
-    rows = [
-        {
-            "method": best,
-            "mean": means[best],
-            "diff": 0.0,
-            "ci_low": 0.0,
-            "ci_high": 0.0,
-            "significant": False,
-        }
-    ]
+    rows = [{"method": best, "mean": means[best], "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "significant": False}]  # fmt: skip
     for r in table:
         if best in (r["a"], r["b"]):
             # rows hold a - b: turned into other - best
