@@ -282,7 +282,9 @@ def run(cfg: DictConfig) -> list[dict]:
     check_bootstrap(cfg.n_boot, len(documents) if cfg.bootstrap == "document" else sum(windows))
     store = UnitStore(out / UNITS_FILE, reuse=cfg.reuse)
     if store.reused:
-        print(f"{store.reused} finished windows in {out / UNITS_FILE} (reuse=false: score them again)")
+        print(
+            f"{store.reused} finished windows in {out / UNITS_FILE} are reused (reuse=false scores them again)"
+        )
     rows, curves, per_window = evaluate_grid(cfg, ckpt, methods, documents, store)
 
     context_len = ckpt.context_len

@@ -330,7 +330,9 @@ def run(cfg: DictConfig) -> list[dict]:
     begin(cfg, ckpt)
     store = UnitStore(out / UNITS_FILE, reuse=cfg.reuse)
     if store.reused:
-        print(f"{store.reused} answered prompts in {out / UNITS_FILE} (reuse=false: answer them again)")
+        print(
+            f"{store.reused} answered prompts in {out / UNITS_FILE} are reused (reuse=false answers them again)"
+        )
     fingerprint = model_fingerprint(ckpt.model)
     trials = []
     for length in sorted(cfg.lengths):
