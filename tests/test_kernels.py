@@ -313,6 +313,31 @@ def test_a_bf16_decode_query_attends_in_float32_like_the_flash_kernel(heads, kv_
                            super(type(kernel), kernel).attend(longer, k, v, None, False, 0.0))  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
+def test_a_chunk_after_cached_slots_attends_as_its_causal_mask(dtype, heads, kv_heads):
+    """L queries in the last L of S slots (is_causal, L < S), no autograd: the kernel's two flash calls
+    merged by log-sum-exp give the float32 attention under the chunk's (L, S) causal mask (fp32 to 1e-6;
+    bf16 within the rounding of its two bf16 parts and their merge), and the plain module spells that
+    mask out."""
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, 7, 16).to(dtype)
+    k, v = (torch.randn(2, kv_heads, 19, 16).to(dtype) for _ in range(2))
+    mask = torch.arange(19) <= torch.arange(12, 19)[:, None]  # query i at slot 12 + i
+    gqa = kv_heads != heads
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
+    kernel = use_kernels(tiny(n_heads=heads, n_kv_heads=kv_heads, d_model=16 * heads)).blocks[0].attn
+    plain = super(type(kernel), kernel).attend(q, k, v, None, True, 0.0)
+    assert torch.equal(plain, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
+    with torch.no_grad():
+        got = kernel.attend(q, k, v, None, True, 0.0)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact, atol=1e-6, rtol=0)
+    else:
+        torch.testing.assert_close(got.float(), exact, atol=2**-8, rtol=2**-7)  # two bf16 roundings at most
+
+
 @pytest.mark.parametrize("grad, dtype", [(True, torch.float32), (False, torch.bfloat16)])
 def test_attention_kernel_upcasts_a_compiled_bf16_backward_too(grad, dtype):
     """Under torch.compile the flash op is still PyTorch's, in the dtype it is given: the graph dynamo

@@ -107,7 +107,7 @@ class Attention(nn.Module):
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x: (B, L, C) -> (B, L, C); mask: None (causal) or (B|1, 1, L, S) bool."""
+        """x: (B, L, C) -> (B, L, C); mask: None (causal, the L queries in the last L of the S key slots) or (B|1, 1, L, S) bool."""
         B, L, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
@@ -129,8 +129,7 @@ class Attention(nn.Module):
             region = merged_region(encoding, L, k_rot.shape[2], x.device) if merged else None
             self.observer(self.layer, q_rot, k_rot, q_far, k_far if merged else None, region, mask)
         if not merged:
-            is_causal = mask is None and L > 1 and k_rot.shape[2] == L
-            y = self.attend(q_rot, k_rot, v, mask, is_causal, dropout_p)
+            y = self.attend(q_rot, k_rot, v, mask, mask is None and L > 1, dropout_p)
         else:
             y = self.attend_merged(q_rot, k_rot, q_far, k_far, v, encoding, mask, dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
@@ -142,7 +141,13 @@ class Attention(nn.Module):
         return merged_attention(q, k, q_far, k_far, v, region, mask, dropout_p)
 
     def attend(self, q, k, v, mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
-        """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D)."""
+        """Softmax attention of q: (B, H, L, D) over k, v: (B, KV, S, D) -> (B, H, L, D); mask None or
+        (B|1, 1, L, S) bool. is_causal: the L queries fill the last L of the S slots and query i sees
+        slots 0..S-L+i (SDPA's is_causal when L == S; a chunk after cached slots when L < S)."""
+        L, S = q.shape[2], k.shape[2]
+        if is_causal and L < S:  # SDPA aligns is_causal to the first slot: spell the chunk's mask out
+            slots = torch.arange(S, device=q.device)
+            mask, is_causal = slots <= slots[S - L :, None], False  # (L, S)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -259,19 +264,17 @@ class Llama(nn.Module):
         return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
     def _attention_mask(self, L: int, kv_cache: KVCache | None, device) -> torch.Tensor | None:
-        """None when plain causal attention (or decoding one token without padding) is exact."""
-        if kv_cache is None:
+        """None when causal attention over the filled slots is exact (no padding): the L queries are
+        the last L of them, which `Attention.attend` reads from is_causal without a (L, S) mask."""
+        if kv_cache is None or kv_cache.key_mask is None:
             return None
         start, total = kv_cache.length, kv_cache.length + L
-        if kv_cache.key_mask is None and (L == 1 or start == 0):
-            return None
         query_slot = torch.arange(start, total, device=device)[:, None]
         key_slot = torch.arange(total, device=device)[None, :]
-        mask = key_slot <= query_slot  # (L, S) causal over cache slots
-        if kv_cache.key_mask is not None:  # padding keys are never attended (a row still sees itself)
-            mask = mask & (kv_cache.key_mask[:, None, :total] | (key_slot == query_slot))
-            return mask[:, None]  # (B, 1, L, S)
-        return mask[None, None]  # (1, 1, L, S)
+        causal = key_slot <= query_slot  # (L, S) causal over cache slots
+        # padding keys are never attended (a row still sees itself)
+        seen = kv_cache.key_mask[:, None, :total] | (key_slot == query_slot)
+        return (causal & seen)[:, None]  # (B, 1, L, S)
 
     def forward(
         self,
