@@ -421,6 +421,18 @@ def test_bench_kernels_smoke(capsys):
     assert len(rows) == 2 and all(row.count("x (") == 1 for row in rows)
 
 
+def test_bench_chunked_scoring_scores_alike_every_way(run_dir, capsys):
+    """tools/bench_chunked_scoring.py on a saved run: the kernel's chunks, the masked chunks and one
+    forward give one mean loss per length (fp32, 1e-5), and the table has a row per side and length."""
+    from tools.bench_chunked_scoring import main
+
+    result = main([f"ckpt={run_dir}", "lengths=[40,96]", "chunk=16", "threads=1", "dtype=float32"])
+    for t in (40, 96):
+        losses = [result["losses"][side, t] for side in ("kernel chunks", "masked chunks", "one forward")]
+        assert max(losses) - min(losses) < 1e-5
+    assert sum(line.startswith(("| 40 |", "| 96 |")) for line in capsys.readouterr().out.splitlines()) == 6
+
+
 @pytest.mark.slow
 def test_bench_kernels_compares_compiled_blocks(capsys):
     """compare=compile times a model with its blocks compiled beside an eager one, in the precisions asked."""
