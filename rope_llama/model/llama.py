@@ -107,7 +107,8 @@ class Attention(nn.Module):
         kv_cache: KVCache | SlotWrite | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x: (B, L, C) -> (B, L, C); mask: None (causal, the L queries in the last L of the S key slots) or (B|1, 1, L, S) bool."""
+        """x: (B, L, C) -> (B, L, C); mask: None (causal, the L queries in the last L of the S key slots)
+        or (B|1, 1, L, S) bool."""
         B, L, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
