@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from rope_llama.bench.options import parse_options
 from rope_llama.bench.peers import held_out_tokens
 from rope_llama.core.threads import apply_threads
 from rope_llama.inference.generation import score_tokens
@@ -24,18 +25,9 @@ from rope_llama.inference.loading import load_model
 from rope_llama.kernels.attention import KernelAttention
 from rope_llama.model.llama import Attention
 
-DEFAULTS = {"ckpt": "runs/smollm2", "lengths": "[8192,16384]", "chunk": "4096", "threads": "auto",
-            "dtype": "auto", "repeats": "1"}  # fmt: skip
-
-
-def parse(argv: list[str]) -> dict:
-    args = dict(DEFAULTS)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise SystemExit(f"error: expected key=value with key in {sorted(DEFAULTS)}, got {arg!r}.")
-        args[key] = value
-    return args
+DEFAULTS = dict(
+    ckpt="runs/smollm2", lengths=[8192, 16384], chunk=4096, threads="auto", dtype="auto", repeats=1
+)
 
 
 def attention_class(model, cls: type) -> None:
@@ -47,12 +39,11 @@ def attention_class(model, cls: type) -> None:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> dict:
-    args = parse(argv)
-    choice = apply_threads(args["threads"] if args["threads"] == "auto" else int(args["threads"]))
+    args = parse_options(argv, DEFAULTS)
+    choice = apply_threads(args["threads"])
     print(f"threads: {choice.threads} ({choice.reason})")
     ckpt, tok = load_model(args["ckpt"], "cpu", args["dtype"])
-    lengths = sorted(int(t) for t in args["lengths"].strip("[]").split(","))
-    chunk = int(args["chunk"])
+    lengths, chunk = sorted(args["lengths"]), args["chunk"]
     tokens = torch.tensor(held_out_tokens(tok, max(lengths) + 1))
     sides = {  # name: (attention class, chunk)
         "kernel chunks": (KernelAttention, chunk),
@@ -61,7 +52,7 @@ def main(argv: list[str]) -> dict:
     }
     seconds, losses = {}, {}
     for t in lengths:
-        for _ in range(int(args["repeats"])):
+        for _ in range(args["repeats"]):
             for name, (cls, size) in sides.items():
                 attention_class(ckpt.model, cls)
                 start = time.perf_counter()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rope_llama.bench.options import parse_options
 from rope_llama.bench.peers import held_out_tokens, hf_twin, llama_cpp_model
 from rope_llama.bench.threads import background_load
 from rope_llama.core.checkpoint import load_checkpoint
@@ -42,16 +43,6 @@ from rope_llama.training.throughput import measure_matmul_peak
 DEFAULTS = dict(ckpt="runs/smollm2", gguf=None, threads=2, lengths=[2048, 8192], prompt_len=2048,
                 new_tokens=32, chunk=2048, load=False, out="bench-real-model.json", scoring=True, compile=True,
                 repeats=2)  # fmt: skip
-
-
-def parse(argv: list[str]) -> dict:
-    args = dict(DEFAULTS)
-    for item in argv:
-        key, _, value = item.partition("=")
-        if key not in args:
-            raise SystemExit(f"error: unknown option {key!r}; options are {', '.join(args)}.")
-        args[key] = json.loads(value) if value[:1] in "[0123456789tf" else value
-    return args
 
 
 def timed(fn) -> float:
@@ -144,7 +135,7 @@ def floors(cfg, n_params: int, context: int, bandwidth: float, peak: dict) -> di
 
 @torch.inference_mode()
 def main(argv: list[str]) -> dict:
-    args = parse(argv)
+    args = parse_options(argv, DEFAULTS)
     torch.set_num_threads(int(args["threads"]))
     loaded = load_checkpoint(args["ckpt"])
     tok = Tokenizer.from_file(str(loaded.tokenizer_file()))
