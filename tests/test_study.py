@@ -299,6 +299,14 @@ def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_l
     assert all("base_s" in c[3] for c in commands)  # no fine-tune, large base or evaluation began
 
 
+def test_study_rejects_focus_depths_without_a_focus_length_and_depths_outside_0_1():
+    with pytest.raises(ValueError, match=r"^retrieval_focus_depths=\[0.5\] applies at focus lengths, but"):
+        config.check_config(config.StudyConfig(retrieval_focus_depths=[0.5]))
+    with pytest.raises(ValueError, match=r"^retrieval_focus_depths must be depths in \[0, 1\], got \[\]"):
+        config.check_config(config.StudyConfig(focus_lengths=["4x"], retrieval_focus_depths=[]))
+    config.check_config(config.StudyConfig(focus_lengths=["4x"], retrieval_focus_depths=[0.5]))
+
+
 @pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
 def test_study_rejects_bad_seeds_in_one_sentence(seeds):
     with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):
@@ -572,7 +580,8 @@ def test_an_imported_base_is_evaluated_at_multiples_of_its_own_context(tmp_path,
     study = config.StudyConfig(**options, corpora=["kjv"], lengths=["1x", "2x", "4x"], focus_lengths=["4x"],
                                methods=["none", "yarn", "dca"], retrieval_methods=["none", "yarn"],
                                extend_options={"window": 2048, "group": "matched"}, chat=True,
-                               retrieval_depths=[0.5], retrieval_tasks=["passkey", "multivalue"])  # fmt: skip
+                               retrieval_depths=[0.5], retrieval_focus_depths=[0.25, 0.75],
+                               retrieval_tasks=["passkey", "multivalue"])  # fmt: skip
     lanes.run(study, [])
     assert [c[2] for c in commands] == [lanes.EVALUATE, lanes.RETRIEVE]  # nothing trained
     evaluation, retrieval = commands
@@ -580,9 +589,9 @@ def test_an_imported_base_is_evaluated_at_multiples_of_its_own_context(tmp_path,
         assert "lengths=[8192,16384,32768]" in command and "focus_lengths=[32768]" in command
         assert "extend_options.window=2048" in command and "extend_options.group=matched" in command
     assert "methods=[none,yarn,dca]" in evaluation and "data=kjv" in evaluation
-    assert {"methods=[none,yarn]", "depths=[0.5]", "chat=true", "tasks=[passkey,multivalue]"} <= set(
-        retrieval
-    )
+    assert {"methods=[none,yarn]", "depths=[0.5]", "focus_depths=[0.25,0.75]", "chat=true",
+            "tasks=[passkey,multivalue]"} <= set(retrieval)  # fmt: skip
+    assert not any(arg.startswith("focus_depths") for arg in evaluation)
 
 
 def test_an_evaluation_step_runs_again_when_its_command_changes(tmp_path, monkeypatch):

@@ -194,17 +194,15 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
     for ax, (key, kind) in zip(
         axes, [("greedy_acc", "greedy"), ("rank_acc", f"ranking (chance {chance:.0%})")]
     ):
-        grid = np.array(
-            [
-                [next(r[key] for r in table if r["length"] == t and r["depth"] == d) for d in depths]
-                for t in lengths
-            ]
-        )
+        cells = {(r["length"], r["depth"]): r[key] for r in table}
+        # NaN (blank, "—") where a length ran other depths (focus_depths)
+        grid = np.array([[cells.get((t, d), np.nan) for d in depths] for t in lengths], dtype=float)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths)
         ax.set(xlabel="depth", ylabel="length (tokens)", title=f"{title}: {kind}")
         for (i, j), v in np.ndenumerate(grid):
-            ax.text(j, i, f"{v:.0%}", ha="center", va="center", color="white" if v < 0.5 else "black")
+            text = "—" if np.isnan(v) else f"{v:.0%}"
+            ax.text(j, i, text, ha="center", va="center", color="white" if not v >= 0.5 else "black")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -228,7 +226,7 @@ def check_memory(model, cfg: DictConfig, tasks: dict[str, dict]) -> None:
     held at once and answered `rows_per_forward` at a time in one left-padded batch (the keys' digits
     may tokenize to different lengths)."""
     longest = max(cfg.lengths)
-    prompts = cfg.trials * len(cfg.depths)
+    prompts = cfg.trials * len(depths_at(cfg, longest))
     rows = min(rows_per_forward(cfg.batch_tokens, longest), prompts)
     values = max(options.get("queries", options.get("values", 1)) for options in tasks.values())
     # after a prompt: its greedy answer, or its keys (" " + 5 digits, then ", " + 5 digits each)
@@ -246,6 +244,28 @@ def check_memory(model, cfg: DictConfig, tasks: dict[str, dict]) -> None:
     what = f"answering {prompts} retrieval prompt{'s' * (prompts > 1)} of {longest:,} tokens ({rows} per forward)"
     knob = "lengths, trials or batch_tokens" if rows > 1 else "lengths or trials"
     check_fits(nbytes + prompt_lists, what, knob, model.embed.weight.device)
+
+
+def depths_at(cfg: DictConfig, length: int) -> list[float]:
+    """The depths asked at `length`: focus_depths at a focus length (when given), else depths."""
+    if length in cfg.focus_lengths and cfg.focus_depths is not None:
+        return list(cfg.focus_depths)
+    return list(cfg.depths)
+
+
+def check_depths(cfg: DictConfig) -> None:
+    """depths and focus_depths lie in [0, 1]; focus_depths needs a focus length to apply to."""
+    for key in ("depths", "focus_depths"):
+        if key == "focus_depths" and cfg.focus_depths is None:
+            continue
+        for d in option_list(cfg, key, "[0,0.5,1]"):
+            if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
+                raise ValueError(f"{key} must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
+    if cfg.focus_depths is not None and not cfg.focus_lengths:
+        raise ValueError(
+            f"focus_depths={list(cfg.focus_depths)} applies at focus lengths, but focus_lengths is empty; "
+            "give focus_lengths (e.g. [4x]) or leave focus_depths null."
+        )
 
 
 def task_prompts(
@@ -316,10 +336,7 @@ def run(cfg: DictConfig) -> list[dict]:
     if not isinstance(cfg.chat, bool):
         raise ValueError(f"chat must be true or false, got {cfg.chat!r}.")
     tasks = task_options(cfg)
-    depths = option_list(cfg, "depths", "[0,0.5,1]")
-    for d in depths:
-        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
-            raise ValueError(f"depths must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
+    check_depths(cfg)
     ckpt, tok = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     chat = chat_turns(tok) if cfg.chat else None
     cfg = with_context_lengths(cfg, ckpt)  # "2x" = twice the checkpoint's context length
@@ -339,7 +356,7 @@ def run(cfg: DictConfig) -> list[dict]:
         chosen = focus_methods(cfg, trials, methods, length)
         for task in tqdm(tasks, desc=f"retrieval at {length}", unit="task"):
             prompt_cells, prompts, candidates = [], [], []  # (depth, trial index in its cell) per prompt
-            for depth in depths:
+            for depth in depths_at(cfg, length):
                 cell_prompts, cell_candidates = task_prompts(cfg, tok, task, tasks[task], length, depth, chat)
                 prompt_cells += [(depth, trial) for trial in range(len(cell_prompts))]
                 prompts += cell_prompts

@@ -239,6 +239,9 @@ PASSKEY: Schema = {
     "task_options.vartrack.chains": integer(minimum=1),
     "task_options.vartrack.hops": integer(minimum=1),
     "depths": items(number(minimum=0, maximum=1), nonempty=True, unique=True),
+    "focus_depths": items(
+        number(minimum=0, maximum=1), nonempty=True, unique=True, allow_none=True, none_means="depths"
+    ),
     "trials": integer(minimum=1),
     "candidates": integer(minimum=2, maximum=FIVE_DIGIT_KEYS, means="the five-digit keys there are"),
     "max_new_tokens": integer(minimum=1),

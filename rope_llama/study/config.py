@@ -63,6 +63,8 @@ class StudyConfig:
     retrieval_lengths: list[Any] | None = None  # null = lengths
     retrieval_trials: int = 4  # prompts per (task, length, depth) cell and model
     retrieval_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    # depths of the retrieval at focus_lengths (null = retrieval_depths): fewer prompts where each costs most
+    retrieval_focus_depths: list[float] | None = None
     chat: bool = False  # retrieval prompts in the tokenizer's chat template (an instruct model's)
     threads: Any = (
         "auto"  # torch threads of the evaluations: auto (cores / jobs when jobs > 1, else the free cores) | N
@@ -126,8 +128,15 @@ def check_config(cfg: StudyConfig) -> None:
             check_method(str(method))
     for name, minimum in (("max_windows", 1), ("retrieval_trials", 1), ("focus_count", 1)):
         check_number(name, getattr(cfg, name), minimum=minimum, integer=True)
-    if not cfg.retrieval_depths or any(not 0 <= d <= 1 for d in cfg.retrieval_depths):
-        raise ValueError(f"retrieval_depths must be depths in [0, 1], got {list(cfg.retrieval_depths)}.")
+    for name in ("retrieval_depths", "retrieval_focus_depths"):
+        depths = getattr(cfg, name)
+        if depths is not None and (not depths or any(not 0 <= d <= 1 for d in depths)):
+            raise ValueError(f"{name} must be depths in [0, 1], got {list(depths)}.")
+    if cfg.retrieval_focus_depths is not None and not cfg.focus_lengths:
+        raise ValueError(
+            f"retrieval_focus_depths={list(cfg.retrieval_focus_depths)} applies at focus lengths, but "
+            "focus_lengths is empty; give focus_lengths (e.g. [4x]) or leave retrieval_focus_depths null."
+        )
     check_threads(cfg.threads)
 
 

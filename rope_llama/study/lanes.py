@@ -157,14 +157,14 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
                    ["-m", TRAIN, f"hydra.run.dir={run_dir}", *train_args, *args, *resume])  # fmt: skip
         return run_dir
 
-    def focusing(methods: list[str], at: list[int]) -> list[str]:
-        """The focus options of a step over several methods (a fine-tune's one method has nothing to choose)."""
+    def focusing(methods: list[str], at: list[int], depths: list[float] | None = None) -> list[str]:
+        """The focus options of a step over several methods (a fine-tune's one method has nothing to choose);
+        `depths`: a retrieval step's depths at the focus lengths."""
         kept = [t for t in focus if t in at]
-        return (
-            [f"focus_lengths={as_list(kept)}", f"focus_count={cfg.focus_count}"]
-            if kept and len(methods) > 1
-            else []
-        )
+        if not kept or len(methods) == 1:
+            return []
+        at_depths = [] if depths is None else [f"focus_depths={as_list(depths)}"]
+        return [f"focus_lengths={as_list(kept)}", f"focus_count={cfg.focus_count}", *at_depths]
 
     def evaluate(name: str, ckpt: Path, methods: list[str]) -> None:
         for corpus in cfg.corpora:
@@ -177,12 +177,14 @@ def run(cfg: StudyConfig, train_extra: list[str]) -> None:
     def retrieve(name: str, ckpt: Path, methods: list[str]) -> None:
         if cfg.retrieval:
             depths = [0.0, 0.5, 1.0] if cfg.smoke else list(cfg.retrieval_depths)
+            focus_depths = None if cfg.retrieval_focus_depths is None else list(cfg.retrieval_focus_depths)
             options = ["task_options.multikey.keys=2", "task_options.vartrack.chains=1"] if cfg.smoke else []
             steps.step(f"retrieval {name}", out / "retrieval" / name / DONE,
                        ["-m", RETRIEVE, f"ckpt={ckpt}", f"out={out / 'retrieval' / name}", f"methods={as_list(methods)}",
                         f"tasks={as_list(cfg.retrieval_tasks)}", f"depths={as_list(depths)}", f"trials={cfg.retrieval_trials}",
                         f"lengths={as_list(retrieval_lengths)}", f"chat={str(cfg.chat).lower()}",
-                        *focusing(methods, retrieval_lengths), *options, *step_options, *REDO], same_command=True)  # fmt: skip
+                        *focusing(methods, retrieval_lengths, focus_depths), *options, *step_options, *REDO],
+                       same_command=True)  # fmt: skip
 
     seeds = seed_list(cfg.seeds)
     bases = {
