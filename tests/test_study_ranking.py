@@ -99,6 +99,21 @@ def test_the_depth_heatmap_averages_each_method_and_depth_and_counts_its_trials(
     assert (tmp_path / "depths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_depth_heatmap_gives_a_length_with_fewer_depths_a_narrower_panel(tmp_path, monkeypatch):
+    """A focus length asked at 2 of 4 depths gets a panel half as wide: every cell the same width."""
+    cell = {"task": "passkey", "model": "base", "method": "yarn", "greedy_correct": 1}
+    trials = [
+        cell | {"length": length, "depth": d}
+        for length, depths in ((512, (0.0, 0.25, 0.5, 1.0)), (1024, (0.0, 1.0)))
+        for d in depths
+    ]
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)  # keep the figure to measure its panels
+    plots.plot_depths(trials, "passkey", tmp_path / "depths.png")
+    wide, narrow = (ax.get_position().width for ax in figures[0].axes)
+    assert narrow / wide == pytest.approx(0.5, rel=0.02)
+
+
 def test_paired_perplexity_starts_at_the_training_length():
     """Windows at 128, 256 (= L) and 512: the remap `dca` is 0.01 below `none` at L, so L gets its table (where
     the remaps differ from plain RoPE); 128 gets none."""

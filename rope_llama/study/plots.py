@@ -62,9 +62,11 @@ def plot_depths(trials: list[dict], task: str, path: Path, column: str = "greedy
     length, one row per model/method, the trials per cell in each panel's title."""
     rows = [t for t in trials if t["task"] == task]
     grids = {length: depth_grid(rows, length, column) for length in sorted({t["length"] for t in rows})}
-    names, depths, _, _ = next(iter(grids.values()))
-    fig, axes = plt.subplots(1, len(grids), figsize=(1.1 * len(depths) * len(grids) + 3, 0.35 * len(names) + 1.6),
-                             squeeze=False)  # fmt: skip
+    # a panel as wide as its depths: a focus length may run fewer (focus_depths)
+    widths = [len(depths) for _, depths, _, _ in grids.values()]
+    rows_shown = max(len(names) for names, _, _, _ in grids.values())
+    fig, axes = plt.subplots(1, len(grids), figsize=(1.1 * sum(widths) + 3, 0.35 * rows_shown + 1.6), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})  # fmt: skip
     for ax, (length, (names, depths, grid, counts)) in zip(axes[0], grids.items()):
         ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
