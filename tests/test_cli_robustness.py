@@ -154,6 +154,10 @@ ROWS = [
             "recipe='bogus' is not an experiment; choose one of", post="nothing written to out"),
         Row("study-lengths-empty", STUDY, "out={OUT} lengths=[]", 2,
             "lengths must be a non-empty list of integers >= 2 or multiples of the context length such as 2x, got [].", post="nothing written to out"),
+        Row("passkey-focus-depths-without-focus-length", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32] focus_depths=[0.5]", 2,
+            "focus_depths=[0.5] applies at focus lengths, but focus_lengths is empty;", post="nothing written to out"),
+        Row("study-focus-depths-without-focus-length", STUDY, "out={OUT} retrieval_focus_depths=[0.5]", 2,
+            "retrieval_focus_depths=[0.5] applies at focus lengths, but focus_lengths is empty;", post="nothing written to out"),
     ),
     # the tiny model's KV cache takes 512 bytes per token: 10^9 tokens are 512 GB, 10^10 are 5 TB
     # (eval's 10^8 would be only 51 GB, which a large machine grants)

@@ -471,29 +471,6 @@ def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, ca
     assert "Chance: ranking 10%" in capsys.readouterr().out
 
 
-def test_a_focus_length_asks_none_and_the_best_of_the_length_below_at_its_own_depths(run_dir, tmp_path):
-    """focus_lengths keeps `none` and the focus_count best methods (greedy accuracy) of the length below;
-    focus_depths gives that length its own, fewer depths; the heatmaps leave the depths it skipped blank."""
-    methods = ("none", "linear", "yarn")
-    cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[320,400]", "depths=[0,0.5,1]", "trials=1",
-                         f"methods=[{','.join(methods)}]", "tasks=[passkey]", "focus_lengths=[400]", "focus_count=1",
-                         "focus_depths=[0.5]", "max_new_tokens=2")  # fmt: skip
-    passkey.run(cfg)
-    with open(tmp_path / "trials.csv") as f:
-        trials = list(csv.DictReader(f))
-    below = [t for t in trials if t["length"] == "320"]
-    assert sorted((t["method"], float(t["depth"])) for t in below) == sorted(
-        (m, d) for m in methods for d in (0.0, 0.5, 1.0)
-    )
-    accuracy = {
-        m: np.mean([int(t["greedy_correct"]) for t in below if t["method"] == m]) for m in methods[1:]
-    }
-    best = max(methods[1:], key=accuracy.get)  # the first of the most accurate: a tie keeps the list order
-    at = [t for t in trials if t["length"] == "400"]
-    assert sorted((t["method"], float(t["depth"])) for t in at) == sorted([("none", 0.5), (best, 0.5)])
-    assert (tmp_path / f"passkey_{best}.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def test_heldout_families_are_scored_apart_and_pooled_as_the_headline(run_dir, tmp_path, capsys):
     cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[400]", "depths=[0,1]", "trials=2",
                          "methods=[none]", "task_options.heldout.facts=2")  # fmt: skip
@@ -532,11 +509,6 @@ def test_suite_refuses_unknown_tasks_and_options_before_loading(tmp_path):
         (["tasks=[needle]"], "retrieval task 'needle' is unknown"),
         (["tasks=[passkey,passkey]"], "tasks lists a task twice"),
         (["tasks=[multikey]", "task_options.multikey.keys=99"], r"keys must be an integer in \[1, 16\]"),
-        (
-            ["focus_depths=[0.5]"],
-            r"focus_depths=\[0.5\] applies at focus lengths, but focus_lengths is empty",
-        ),
-        (["focus_lengths=[4x]", "focus_depths=[2]"], r"focus_depths must lie in \[0, 1\]"),
         (
             ["tasks=[vartrack]", "+task_options.vartrack.depth=2"],
             r"vartrack takes the options \['chains', 'hops'\]",

@@ -299,14 +299,6 @@ def test_study_failure_with_jobs_starts_nothing_new_and_names_the_step_and_its_l
     assert all("base_s" in c[3] for c in commands)  # no fine-tune, large base or evaluation began
 
 
-def test_study_rejects_focus_depths_without_a_focus_length_and_depths_outside_0_1():
-    with pytest.raises(ValueError, match=r"^retrieval_focus_depths=\[0.5\] applies at focus lengths, but"):
-        config.check_config(config.StudyConfig(retrieval_focus_depths=[0.5]))
-    with pytest.raises(ValueError, match=r"^retrieval_focus_depths must be depths in \[0, 1\], got \[\]"):
-        config.check_config(config.StudyConfig(focus_lengths=["4x"], retrieval_focus_depths=[]))
-    config.check_config(config.StudyConfig(focus_lengths=["4x"], retrieval_focus_depths=[0.5]))
-
-
 @pytest.mark.parametrize("seeds", [0, -1, True, [], [1, 1], [2, -3], "3"])
 def test_study_rejects_bad_seeds_in_one_sentence(seeds):
     with pytest.raises(ValueError, match=r"^seeds must be a count >= 1 or a list of distinct seeds"):

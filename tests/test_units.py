@@ -3,6 +3,7 @@
 import csv
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,29 @@ def test_focus_length_keeps_none_and_the_best_of_the_length_below(run_dir, tmp_p
     assert "| linear |" in (tmp_path / "results.md").read_text()  # a dropped cell shows as "-"
     with pytest.raises(ValueError, match=r"focus_lengths \[64\] must be among lengths"):
         eval_extrapolation.run(eval_cfg(run_dir, tmp_path / "b", "lengths=[64,128]", "focus_lengths=[64]"))
+
+
+def test_a_focus_length_asks_none_and_the_best_of_the_length_below_at_its_own_depths(run_dir, tmp_path):  # noqa: F811
+    """focus_lengths keeps `none` and the focus_count best methods (greedy accuracy) of the length below;
+    focus_depths gives that length its own, fewer depths; the heatmaps leave the depths it skipped blank."""
+    methods = ("none", "linear", "yarn")
+    cfg = compose_script("passkey", run_dir, tmp_path, "lengths=[320,400]", "depths=[0,0.5,1]", "trials=1",
+                         f"methods=[{','.join(methods)}]", "tasks=[passkey]", "focus_lengths=[400]", "focus_count=1",
+                         "focus_depths=[0.5]", "max_new_tokens=2")  # fmt: skip
+    passkey.run(cfg)
+    with open(tmp_path / "trials.csv") as f:
+        trials = list(csv.DictReader(f))
+    below = [t for t in trials if t["length"] == "320"]
+    assert sorted((t["method"], float(t["depth"])) for t in below) == sorted(
+        (m, d) for m in methods for d in (0.0, 0.5, 1.0)
+    )
+    accuracy = {
+        m: np.mean([int(t["greedy_correct"]) for t in below if t["method"] == m]) for m in methods[1:]
+    }
+    best = max(methods[1:], key=accuracy.get)  # the first of the most accurate: a tie keeps the list order
+    at = [t for t in trials if t["length"] == "400"]
+    assert sorted((t["method"], float(t["depth"])) for t in at) == sorted([("none", 0.5), (best, 0.5)])
+    assert (tmp_path / f"passkey_{best}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_passkey_with_more_trials_answers_only_the_new_prompts(run_dir, tmp_path, monkeypatch):  # noqa: F811
