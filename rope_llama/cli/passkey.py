@@ -201,8 +201,8 @@ def plot_heatmaps(table: list[dict], title: str, chance: float, path: Path) -> N
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths)
         ax.set(xlabel="depth", ylabel="length (tokens)", title=f"{title}: {kind}")
         for (i, j), v in np.ndenumerate(grid):
-            text = "—" if np.isnan(v) else f"{v:.0%}"
-            ax.text(j, i, text, ha="center", va="center", color="white" if not v >= 0.5 else "black")
+            text = "—" if np.isnan(v) else f"{v:.0%}"  # NaN: a blank cell, so dark text
+            ax.text(j, i, text, ha="center", va="center", color="white" if v < 0.5 else "black")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     fig.savefig(path, dpi=120)
     plt.close(fig)
