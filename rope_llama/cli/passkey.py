@@ -255,9 +255,7 @@ def depths_at(cfg: DictConfig, length: int) -> list[float]:
 
 def check_depths(cfg: DictConfig) -> None:
     """depths and focus_depths lie in [0, 1]; focus_depths needs a focus length to apply to."""
-    for key in ("depths", "focus_depths"):
-        if key == "focus_depths" and cfg.focus_depths is None:
-            continue
+    for key in ["depths"] + ([] if cfg.focus_depths is None else ["focus_depths"]):
         for d in option_list(cfg, key, "[0,0.5,1]"):
             if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
                 raise ValueError(f"{key} must lie in [0, 1] (0 = start, 1 = end), got {d!r}.")
