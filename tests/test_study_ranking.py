@@ -134,3 +134,22 @@ def test_paired_perplexity_starts_at_the_training_length():
     rows, text = tables.paired_ppl(windows, "own", "base", max_len=256)
     assert sorted({r["length"] for r in rows}) == [256, 512]
     assert "own, base, T = 256: each method against the best" in text and "T = 128" not in text
+
+
+def test_paired_ppl_skips_a_length_with_one_method():
+    """A study with one perplexity method (methods=[none] beside a retrieval suite) has nothing to pair:
+    no rows and no table, where pairwise_table would refuse and stop the summary after every step ran."""
+    windows = [
+        {
+            "model": "base",
+            "method": "none",
+            "length": t,
+            "seed": 0,
+            "document": d,
+            "window": 0,
+            "loss": 4.0 + d,
+        }
+        for t in (256, 512)
+        for d in range(3)
+    ]
+    assert tables.paired_ppl(windows, "own", "base", max_len=256) == ([], "")

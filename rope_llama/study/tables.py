@@ -73,6 +73,8 @@ def paired_ppl(windows: list[dict], corpus: str, model: str, max_len: int) -> tu
         by_method = defaultdict(dict)
         for w in cell:
             by_method[w["method"]][w["seed"], w["document"], w["window"]] = w["loss"]
+        if len(by_method) < 2:  # one method (e.g. a retrieval-only study's reference): nothing to pair
+            continue
         units = sorted(next(iter(by_method.values())))
         values = {m: np.array([v[u] for u in units]) for m, v in by_method.items()}
         clusters = np.array([[u[1], u[0]] for u in units])
