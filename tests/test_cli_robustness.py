@@ -158,6 +158,10 @@ ROWS = [
             "focus_depths=[0.5] applies at focus lengths, but focus_lengths is empty;", post="nothing written to out"),
         Row("study-focus-depths-without-focus-length", STUDY, "out={OUT} retrieval_focus_depths=[0.5]", 2,
             "retrieval_focus_depths=[0.5] applies at focus lengths, but focus_lengths is empty;", post="nothing written to out"),
+        Row("passkey-focus-depths-outside-0-1", PASSKEY, "ckpt={RUN} out={OUT} lengths=[32,64] focus_lengths=[64] focus_depths=[2]", 2,
+            "focus_depths must be a non-empty duplicate-free list, each a finite number in [0, 1] or null (depths), got [2].", post="nothing written to out"),
+        Row("study-focus-depths-empty", STUDY, "out={OUT} focus_lengths=[4x] retrieval_focus_depths=[]", 2,
+            "retrieval_focus_depths must be depths in [0, 1], got [].", post="nothing written to out"),
     ),
     # the tiny model's KV cache takes 512 bytes per token: 10^9 tokens are 512 GB, 10^10 are 5 TB
     # (eval's 10^8 would be only 51 GB, which a large machine grants)
