@@ -454,6 +454,7 @@ def test_retrieval_suite_writes_tables_intervals_and_plots(run_dir, tmp_path, ca
         trials = list(csv.DictReader(f))
     assert len(trials) == 2 * 2 * 2 * 2 * 2 and {t["method"] for t in trials} == {"none", "yarn"}
     assert {t["task"] for t in trials} == {"passkey", "multikey"}
+    assert all(len(t["distractors"].split()) == (t["task"] == "multikey") for t in trials)  # the other animal
     assert (
         sorted(t["trial"] for t in trials) == ["0"] * 16 + ["1"] * 16
     )  # each prompt's index within its cell

@@ -115,6 +115,7 @@ def test_passkey_uses_the_passkey_wording_and_its_key_only_in_the_needle(tok):
         needle = NEEDLE.format(key=p.answer)
         assert text.startswith("<|bos|>" + INTRO) and text.endswith("".join(QUESTION))
         assert text.count(needle) == 1 and str(p.answer) not in text.replace(needle, "")
+        assert p.distractors == ()
         assert (
             text.replace(needle, "").replace(INTRO, "").replace("".join(QUESTION), "").replace("<|bos|>", "")
             in FILLER * 100
@@ -128,6 +129,8 @@ def test_multikey_asks_one_of_several_distinct_needles(tok):
         assert len(found) == 4 and len({n for n, _ in found}) == 4 and len({k for _, k in found}) == 4
         asked = re.search(r"What is the pass key of the (\w+)\? The pass key of the \1 is$", text).group(1)
         assert asked in NAMES and dict(found)[asked] == str(p.answer)
+        # the distractors: the other animals' keys
+        assert sorted(p.distractors) == sorted(int(k) for n, k in found if n != asked)
         needle = MULTIKEY_NEEDLE.format(name=asked, key=p.answer)
         assert text.count(needle) == 1 and str(p.answer) not in text.replace(needle, "")
         assert tok.decode(p.tokens[p.needle_start :]).startswith(needle)
@@ -145,9 +148,19 @@ def test_vartrack_answer_needs_every_hop(tok):
             assert text.index(f"VAR {copies[name]} =") < text.index(f"VAR {name} =")  # assigned before use
             name, hops = copies[name], hops + 1
         assert hops == 3 and values[name] == str(p.answer)
+        assert p.distractors == tuple(int(v) for v in values.values() if v != str(p.answer))  # other chain
         assert text.count(str(p.answer)) == 1
         value = VAR_VALUE.format(name=name, value=p.answer)
         assert tok.decode(p.tokens[p.needle_start :]).startswith(value)
+
+
+def test_multiquery_and_multivalue_distractors_are_the_needles_not_asked_for(tok):
+    """multiquery asks for 2 of 4 animals: the other 2 keys are the distractors; multivalue asks for every key."""
+    rng = np.random.default_rng(0)
+    p = build_prompt("multiquery", tok, 1024, 0.5, rng, keys=4, queries=2)
+    keys = [int(k) for k in re.findall(r"The pass key of the \w+ is (\d+)\.", tok.decode(p.tokens))]
+    assert len(p.answers) == 2 and sorted([*p.answers, *p.distractors]) == sorted(keys)
+    assert build_prompt("multivalue", tok, 1024, 0.5, rng).distractors == ()
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -195,6 +208,9 @@ def test_greedy_scorer(generated, answer, correct):
 @pytest.mark.parametrize(
     "generated, kind",
     [
+        (" 24676.", "another needle"),  # the key of a needle the question did not ask for
+        (" 24676, 71432", "another needle"),  # the first integer decides
+        (" 246761", "wrong digits"),  # a distractor's digits and more are not that needle's value
         (" 71432.", ""),
         ("The key: 71432, then 5", ""),  # correct by the scorer: the first integer is the key
         (" 714322.", "overrun"),  # the key, then one digit more
@@ -206,7 +222,7 @@ def test_greedy_scorer(generated, answer, correct):
     ],
 )
 def test_greedy_miss_classes_every_wrong_answer(generated, kind):
-    assert greedy_miss(generated, 71432) == kind
+    assert greedy_miss(generated, 71432, distractors=(24676, 38251)) == kind
     assert (kind == "") == answer_correct(generated, 71432)
 
 

@@ -482,20 +482,20 @@ def test_study_retrieval_tables_show_a_base_that_never_copies_seed_by_seed():
 
 
 def test_study_retrieval_tables_class_the_greedy_misses():
-    """Four prompts per method: yarn writes two keys and overruns two; none answers prose first three times and
-    writes another number once. Answers come as trials.csv gives them, all-digit ones parsed as numbers."""
-    answers = {"yarn": [" 10388.", 10388, 103888, " 103888."], "none": [" the road", "\n", " and the", 12]}
+    """Four prompts per method: yarn writes two keys and overruns two; none answers prose first twice, a distractor's
+    key once, another number once. Answers come as trials.csv gives them, all-digit ones parsed as numbers."""
+    answers = {"yarn": [" 10388.", 10388, 103888, " 103888."], "none": [" the road", "\n", 24676, 12]}
     trials = [{"task": "passkey", "model": "base", "seed": 0, "method": method, "length": 512, "depth": 0.5,
                "trial": i, "greedy_correct": int(str(answer).strip(" .") == "10388"), "rank_correct": 1,
-               "key": 10388, "answer": answer}
+               "key": 10388, "answer": answer, "distractors": 24676}  # one distractor: read_csv makes it an int
               for method, given in answers.items() for i, answer in enumerate(given)]  # fmt: skip
     accuracy, _, text = tables.retrieval_tables(trials)
     yarn = next(r for r in accuracy if r["method"] == "base/yarn")
     assert (yarn["greedy_acc"], yarn["miss_overrun"], yarn["miss_prose_first"]) == (0.5, 0.5, 0.0)
     assert (
-        "### passkey: greedy misses by kind (prose first / overrun / wrong digits), pooled over seeds" in text
+        "### passkey: greedy misses by kind (prose first / overrun / another needle / wrong digits)" in text
     )
-    assert "| base/none | 75% / 0% / 25% |" in text
+    assert "| base/none | 50% / 0% / 25% / 25% |" in text
 
 
 def test_study_retrieval_tables_compare_first_token_margins():

@@ -8,7 +8,8 @@ Every prompt hides a 5-digit answer at a given depth of repeated filler text and
 scores per trial: greedy generation (the first integer in the output must be the answer) and
 likelihood ranking (the answer's continuation must be the most likely of `candidates` random keys).
 A greedy miss is classed (trials.csv's greedy_miss, the tables' miss_* shares): prose before any number,
-the key's digits and then more (an overrun: the copy did not stop), or another number.
+the key's digits and then more (an overrun: the copy did not stop), the value of a needle not asked for
+(multikey's other animals: trials.csv's `distractors`), or another number.
 Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per task x method x length
 x depth), accuracy.csv (per task x method x length over all depths, with Wilson 95% intervals),
 <task>_<method>.png (length x depth heatmaps) and <task>_vs_length.png (accuracy vs length per
@@ -104,6 +105,16 @@ def greedy_tokens(max_new_tokens: int, candidates: list[list[int]]) -> int:
     return max(max_new_tokens, len(candidates[0]) + 2)
 
 
+def miss_of(answer: str, prompt: RetrievalPrompt) -> dict:
+    """trials.csv's columns that class a greedy answer's miss: the values of the needles not asked for, and
+    the kind. Classed from the prompt when the trials are written, so a stored answer gets today's kinds."""
+    distractors = " ".join(map(str, prompt.distractors))
+    return {
+        "distractors": distractors,
+        "greedy_miss": greedy_miss(answer, prompt.answers, prompt.distractors),
+    }
+
+
 def answer_prompts(
     model,
     tok: Tokenizer,
@@ -147,7 +158,6 @@ def answer_prompts(
                 "answer": answer,
                 "greedy_correct": int(answer_correct(answer, p.answers)),
                 "greedy_recall": answer_recall(answer, p.answers),
-                "greedy_miss": greedy_miss(answer, p.answers),
                 "rank_correct": int(rank == 1),
                 "key_rank": rank,
                 "key_logprob": key_logprob,
@@ -365,9 +375,9 @@ def run(cfg: DictConfig) -> list[dict]:
             ).items():  # the checkpoint's config alone
                 ckpt.model.use_positions(cell.rope, cell.extend)
                 answered = answered_units(cfg, ckpt.model, tok, fingerprint, store, prompts, candidates, rows)
-                for (depth, trial), row in zip(prompt_cells, answered):
+                for (depth, trial), prompt, row in zip(prompt_cells, prompts, answered):
                     trials.append({"task": task, "method": method, "length": length, "depth": depth,
-                                   "trial": trial, "factor": cell.factor, **row})  # fmt: skip
+                                   "trial": trial, "factor": cell.factor, **row, **miss_of(row["answer"], prompt)})  # fmt: skip
 
     pooled = trials + pooled_heldout(trials)  # the held-out families together: the headline
     cells_table = accuracy_table(pooled, ("task", "method", "length", "depth", "factor"))

@@ -99,6 +99,7 @@ class RetrievalPrompt:
     answers: tuple[
         int, ...
     ]  # every value the answer lists, in its order: (answer,) but for multiquery, multivalue
+    distractors: tuple[int, ...] = ()  # the values of the needles not asked for (other animals' keys)
 
 
 def answer_text(answers: tuple[int, ...] | list[int]) -> str:
@@ -122,19 +123,22 @@ def answer_recall(generated: str, answer: int | tuple[int, ...]) -> float:
     return sum(a in found for a in answers) / len(answers)
 
 
-GREEDY_MISSES = ("prose first", "overrun", "wrong digits")  # greedy_miss's kinds, in the tables' order
+GREEDY_MISSES = ("prose first", "overrun", "another needle", "wrong digits")  # greedy_miss's kinds, in order
 
 
-def greedy_miss(generated: str, answer: int | tuple[int, ...]) -> str:
+def greedy_miss(generated: str, answer: int | tuple[int, ...], distractors: tuple[int, ...] = ()) -> str:
     """Why a greedy answer is wrong ("" when `answer_correct`): "prose first" = text before any number (the
     first-token decision, which the first-token margin measures, went to the text); "overrun" = the answer's
-    digits and then more (" 103888." for 10388: the copy found the key but did not stop); "wrong digits" =
-    another number first."""
+    digits and then more (" 103888." for 10388: the copy found the key but did not stop); "another needle" =
+    the value of a needle the question did not ask for (`distractors`: the model found the needles and confused
+    them); "wrong digits" = any other number first."""
     if answer_correct(generated, answer):
         return ""
     digits = re.match(r"\d+", generated.lstrip())
     if digits is None:
         return "prose first"
+    if int(digits.group()) in distractors:
+        return "another needle"
     first = answer if isinstance(answer, int) else answer[0]
     return "overrun" if digits.group().startswith(str(first)) else "wrong digits"
 
@@ -216,21 +220,22 @@ def build_prompt(
 
 
 Needles = list[tuple[float, list[int]]]  # (place in [0, 1], tokens); the first is the asked one
-# needles, (ask, lead), values: needles[0]'s, then (multiquery, multivalue) the answer's list in its order
-Parts = tuple[Needles, tuple[str, str], tuple[int, ...]]
+# needles, (ask, lead), values: needles[0]'s, then (multiquery, multivalue) the answer's list in its order;
+# the values of the needles not asked for (RetrievalPrompt.distractors)
+Parts = tuple[Needles, tuple[str, str], tuple[int, ...], tuple[int, ...]]
 
 
 def passkey_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator) -> Parts:
     """One passkey needle at `depth`, scripts/passkey.py's wording."""
     (key,) = random_keys(rng, 1)
-    return [(_check_depth(depth), tok.encode(NEEDLE.format(key=key)))], QUESTION, (key,)
+    return [(_check_depth(depth), tok.encode(NEEDLE.format(key=key)))], QUESTION, (key,), ()
 
 
 def multikey_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator, keys: int = 4) -> Parts:
     """`keys` needles, each naming an animal and its own key; the question asks for the first, which
     sits at `depth`; the others go to uniformly random places in the filler."""
     names, values, needles = _named_needles(tok, depth, rng, keys)
-    return needles, _format(MULTIKEY_QUESTION, name=names[0]), (values[0],)
+    return needles, _format(MULTIKEY_QUESTION, name=names[0]), (values[0],), tuple(values[1:])
 
 
 def multiquery_prompt(
@@ -245,7 +250,8 @@ def multiquery_prompt(
     names, values, needles = _named_needles(tok, depth, rng, keys)
     asked = [f"the {n}" for n in names[:queries]]
     listed = asked[0] if queries == 1 else ", ".join(asked[:-1]) + " and " + asked[-1]
-    return needles, _format(MULTIQUERY_QUESTION, names=listed), (values[0], *values[:queries])
+    answers = (values[0], *values[:queries])
+    return needles, _format(MULTIQUERY_QUESTION, names=listed), answers, tuple(values[queries:])
 
 
 def multivalue_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator, values: int = 4) -> Parts:
@@ -256,7 +262,7 @@ def multivalue_prompt(tok: Tokenizer, depth: float, rng: np.random.Generator, va
     places = [_check_depth(depth), *rng.random(values - 1)]
     needles = [(p, tok.encode(MULTIVALUE_NEEDLE.format(name=name, key=k))) for p, k in zip(places, keys)]
     in_order = tuple(k for _, k in sorted(zip(places, keys), key=lambda pk: pk[0]))
-    return needles, _format(MULTIVALUE_QUESTION, name=name), (keys[0], *in_order)
+    return needles, _format(MULTIVALUE_QUESTION, name=name), (keys[0], *in_order), ()
 
 
 def vartrack_prompt(
@@ -278,7 +284,7 @@ def vartrack_prompt(
         else:
             places = sorted(rng.random(hops + 1))
         needles += [(p, tok.encode(s)) for p, s in zip(places, statements)]
-    return needles, _format(VAR_QUESTION, name=names[hops]), (values[0],)
+    return needles, _format(VAR_QUESTION, name=names[hops]), (values[0],), tuple(values[1:])
 
 
 def heldout_prompt(
@@ -300,7 +306,7 @@ def heldout_prompt(
     ]
     needles = [(p, tok.encode(s)) for p, s in zip(places, statements)]
     question, at = rendered[0].question, rendered[0].lead_start
-    return needles, (question[:at], question[at:]), (keys[0],)
+    return needles, (question[:at], question[at:]), (keys[0],), tuple(keys[1:])
 
 
 def _named_needles(
@@ -327,6 +333,7 @@ def _assemble(
     needles: Needles,
     question: tuple[str, str],
     answers: tuple[int, ...],
+    distractors: tuple[int, ...],
     chat: ChatTurns | None = None,
 ) -> RetrievalPrompt:
     """(BOS if the tokenizer's prompts take one) + INTRO + filler sentences with `needles` + the question
@@ -368,7 +375,7 @@ def _assemble(
     tokens += tail
     depth = asked_before / max(1, sum(map(len, filler)))
     asked, *listed = answers  # needles[0]'s value, then the answer's list (multiquery, multivalue only)
-    return RetrievalPrompt(task, tokens, asked, depth, asked_start, tuple(listed) or (asked,))
+    return RetrievalPrompt(task, tokens, asked, depth, asked_start, tuple(listed) or (asked,), distractors)
 
 
 def _var_names(rng: np.random.Generator, n: int) -> list[str]:

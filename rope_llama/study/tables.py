@@ -269,6 +269,12 @@ def seed_means(rows: list[dict], column: str) -> list[float]:
     return [float(np.mean(v)) for _, v in sorted(per_seed.items())]
 
 
+def distractors_of(trial: dict) -> tuple[int, ...]:
+    """A trial's `distractors` (the values of the needles not asked for, space-separated in trials.csv; read_csv
+    parses a single one as a number and none as "")."""
+    return tuple(int(v) for v in str(trial.get("distractors", "")).split())
+
+
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     """Greedy and ranking accuracy per (task, model/method, length) pooled over seeds, each with its
     Wilson 95% interval and the range of the per-seed accuracies, and the mean first-token margin with
@@ -279,7 +285,10 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     # each greedy miss's kind from the answer itself, so studies scored before passkey.py wrote it get it too
     # (read_csv may have parsed an all-digit answer as a number: its digits are what greedy_miss reads)
     has_answers = all("answer" in t and "key" in t for t in trials)
-    misses = [greedy_miss(str(t["answer"]), int(t["key"])) if has_answers else "" for t in trials]
+    # (trials.csv files older than its `distractors` column class no answer as another needle's)
+    misses = [
+        greedy_miss(str(t["answer"]), int(t["key"]), distractors_of(t)) if has_answers else "" for t in trials
+    ]
     cells = defaultdict(list)
     for t, miss in zip(trials, misses):
         cells[t["task"], t["model"] + "/" + t["method"], t["length"]].append(t | {"greedy_miss": miss})
