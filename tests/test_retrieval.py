@@ -9,8 +9,10 @@ import pytest
 
 from rope_llama.data.templates import HELD_OUT
 from rope_llama.data.tokenizer import Tokenizer, train_tokenizer
+from rope_llama.inference.reporting import miss_column
 from rope_llama.inference.retrieval import (
     FILLER,
+    GREEDY_MISSES,
     HELDOUT_TASKS,
     INTRO,
     MULTIKEY_NEEDLE,
@@ -24,6 +26,7 @@ from rope_llama.inference.retrieval import (
     greedy_miss,
     random_keys,
 )
+from rope_llama.study import tables
 from tests.helpers import small_corpus
 
 LENGTHS = (512, 1024, 2048)  # the shortest fits two chains of four assignments (vartrack)
@@ -224,6 +227,47 @@ def test_greedy_scorer(generated, answer, correct):
 def test_greedy_miss_classes_every_wrong_answer(generated, kind):
     assert greedy_miss(generated, 71432, distractors=(24676, 38251)) == kind
     assert (kind == "") == answer_correct(generated, 71432)
+
+
+@pytest.mark.parametrize(
+    "generated, kind",
+    [
+        (" 55555. The pass keys of the hare are 10388.", "incomplete"),  # 2 of the 4 asked values
+        (" 10388", "incomplete"),
+        (" 77777, 66666, 55555, 10388", ""),  # every asked value, in any order
+        (" 12 10388 55555 66666 77777", ""),  # several values: every one among the integers, not the first
+        (" 555551", "overrun"),  # any asked value's digits, then more
+        (" 24676, 10388", "another needle"),
+        (" 12 10388", "wrong digits"),
+        (" the keys are 10388", "prose first"),
+    ],
+)
+def test_greedy_miss_classes_answers_of_several_values(generated, kind):
+    values = (10388, 55555, 66666, 77777)
+    assert greedy_miss(generated, values, distractors=(24676,)) == kind
+    assert (kind == "") == answer_correct(generated, values)
+
+
+def test_study_tables_class_several_values_by_all_of_them():
+    """Multi-value trials as the study reads trials.csv (`answers` space-separated): the answer listing all four
+    in another order is correct, not a miss whose first integer is not the first value; the one giving two of
+    them is incomplete. The key alone (`answers` absent: an older trials.csv) still classes single answers."""
+    values = "10388 55555 66666 77777"
+    given = {" 77777, 66666, 55555, 10388": 1, " 55555. The pass keys of the hare are 10388.": 0}
+    trials = [{"task": "multivalue", "model": "base", "seed": 0, "method": "yarn", "length": 512, "depth": 0.5,
+               "trial": i, "greedy_correct": correct, "rank_correct": 1, "key": 10388, "answers": values,
+               "answer": answer} for i, (answer, correct) in enumerate(given.items())]  # fmt: skip
+    passkey = {"task": "passkey", "model": "base", "seed": 0, "method": "yarn", "length": 512, "depth": 0.5,
+               "trial": 0, "greedy_correct": 0, "rank_correct": 1, "key": 10388, "answer": 103881}  # fmt: skip
+    accuracy, _, text = tables.retrieval_tables([*trials, passkey])
+    by_task = {r["task"]: r for r in accuracy}
+    shares = {kind: by_task["multivalue"][miss_column(kind)] for kind in GREEDY_MISSES}
+    assert by_task["multivalue"]["greedy_acc"] == 0.5
+    assert shares == {kind: 0.5 if kind == "incomplete" else 0.0 for kind in GREEDY_MISSES}
+    assert by_task["passkey"][miss_column("overrun")] == 1.0
+    assert (
+        "### multivalue: greedy misses by kind (prose first / overrun / another needle / incomplete /" in text
+    )
 
 
 def test_more_keys_than_exist_are_refused_instead_of_drawn_forever():

@@ -9,7 +9,8 @@ scores per trial: greedy generation (the first integer in the output must be the
 likelihood ranking (the answer's continuation must be the most likely of `candidates` random keys).
 A greedy miss is classed (trials.csv's greedy_miss, the tables' miss_* shares): prose before any number,
 the key's digits and then more (an overrun: the copy did not stop), the value of a needle not asked for
-(multikey's other animals: trials.csv's `distractors`), or another number.
+(multikey's other animals: trials.csv's `distractors`), one of several asked values without all the others
+(incomplete: multiquery, multivalue), or another number.
 Writes to `out`: trials.csv (one row per prompt), passkey.csv (accuracy per task x method x length
 x depth), accuracy.csv (per task x method x length over all depths, with Wilson 95% intervals),
 <task>_<method>.png (length x depth heatmaps) and <task>_vs_length.png (accuracy vs length per

@@ -123,24 +123,29 @@ def answer_recall(generated: str, answer: int | tuple[int, ...]) -> float:
     return sum(a in found for a in answers) / len(answers)
 
 
-GREEDY_MISSES = ("prose first", "overrun", "another needle", "wrong digits")  # greedy_miss's kinds, in order
+# greedy_miss's kinds, in order
+GREEDY_MISSES = ("prose first", "overrun", "another needle", "incomplete", "wrong digits")
 
 
 def greedy_miss(generated: str, answer: int | tuple[int, ...], distractors: tuple[int, ...] = ()) -> str:
     """Why a greedy answer is wrong ("" when `answer_correct`): "prose first" = text before any number (the
-    first-token decision, which the first-token margin measures, went to the text); "overrun" = the answer's
+    first-token decision, which the first-token margin measures, went to the text); "overrun" = an asked value's
     digits and then more (" 103888." for 10388: the copy found the key but did not stop); "another needle" =
     the value of a needle the question did not ask for (`distractors`: the model found the needles and confused
-    them); "wrong digits" = any other number first."""
+    them); "incomplete" = one of several asked values, but not every one of them in the text (multi-query,
+    multi-value: some needles found); "wrong digits" = any other number first."""
     if answer_correct(generated, answer):
         return ""
     digits = re.match(r"\d+", generated.lstrip())
     if digits is None:
         return "prose first"
-    if int(digits.group()) in distractors:
+    first = int(digits.group())
+    if first in distractors:
         return "another needle"
-    first = answer if isinstance(answer, int) else answer[0]
-    return "overrun" if digits.group().startswith(str(first)) else "wrong digits"
+    answers = (answer,) if isinstance(answer, int) else tuple(answer)
+    if first in answers:  # one value alone would have been correct: only several values get here
+        return "incomplete"
+    return "overrun" if any(digits.group().startswith(str(a)) for a in answers) else "wrong digits"
 
 
 TASK_OPTIONS = {

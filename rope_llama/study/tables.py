@@ -269,6 +269,12 @@ def seed_means(rows: list[dict], column: str) -> list[float]:
     return [float(np.mean(v)) for _, v in sorted(per_seed.items())]
 
 
+def answers_of(trial: dict) -> tuple[int, ...]:
+    """A trial's asked values: its `answers` (space-separated in trials.csv; read_csv parses a single one as a
+    number), or its `key` where a trials.csv predates that column."""
+    return tuple(int(v) for v in str(trial.get("answers", trial["key"])).split())
+
+
 def distractors_of(trial: dict) -> tuple[int, ...]:
     """A trial's `distractors` (the values of the needles not asked for, space-separated in trials.csv; read_csv
     parses a single one as a number and none as "")."""
@@ -287,7 +293,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     has_answers = all("answer" in t and "key" in t for t in trials)
     # (trials.csv files older than its `distractors` column class no answer as another needle's)
     misses = [
-        greedy_miss(str(t["answer"]), int(t["key"]), distractors_of(t)) if has_answers else "" for t in trials
+        greedy_miss(str(t["answer"]), answers_of(t), distractors_of(t)) if has_answers else "" for t in trials
     ]
     cells = defaultdict(list)
     for t, miss in zip(trials, misses):
