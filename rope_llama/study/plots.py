@@ -58,8 +58,9 @@ def depth_grid(
 
 
 def plot_depths(trials: list[dict], task: str, path: Path, column: str = "greedy_correct") -> None:
-    """`task`'s accuracy (the mean of `column` over seeds and trials) by needle depth: one panel per prompt
-    length, one row per model/method, the trials per cell in each panel's title."""
+    """`task`'s accuracy (the mean of `column` over seeds and trials: a 0/1 score, or a share such as
+    greedy_recall) by needle depth: one panel per prompt length, one row per model/method, the trials per
+    cell in each panel's title."""
     rows = [t for t in trials if t["task"] == task]
     grids = {length: depth_grid(rows, length, column) for length in sorted({t["length"] for t in rows})}
     # a panel as wide as its depths: a focus length may run fewer (focus_depths)
@@ -76,7 +77,9 @@ def plot_depths(trials: list[dict], task: str, path: Path, column: str = "greedy
         ax.set(xticks=range(len(depths)), xticklabels=depths, xlabel="needle depth",
                title=f"T = {length} ({per_cell} per cell)")  # fmt: skip
         ax.set_yticks(range(len(names)), labels=names, fontsize=8)
-    fig.suptitle(f"{task}: {column.removesuffix('_correct')} accuracy by depth")
+    # greedy_correct -> "greedy accuracy"; a share that is no 0/1 score (greedy_recall) keeps its own name
+    label = column.removesuffix("_correct") + " accuracy" if column.endswith("_correct") else column
+    fig.suptitle(f"{task}: {label.replace('_', ' ')} by depth")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
