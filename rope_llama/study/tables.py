@@ -269,16 +269,20 @@ def seed_means(rows: list[dict], column: str) -> list[float]:
     return [float(np.mean(v)) for _, v in sorted(per_seed.items())]
 
 
+def csv_values(cell) -> tuple[int, ...]:
+    """The integers of a trials.csv cell of space-separated values (read_csv parses a single one as a number and
+    none as "")."""
+    return tuple(int(v) for v in str(cell).split())
+
+
 def answers_of(trial: dict) -> tuple[int, ...]:
-    """A trial's asked values: its `answers` (space-separated in trials.csv; read_csv parses a single one as a
-    number), or its `key` where a trials.csv predates that column."""
-    return tuple(int(v) for v in str(trial.get("answers", trial["key"])).split())
+    """A trial's asked values: its `answers`, or its `key` where a trials.csv predates that column."""
+    return csv_values(trial.get("answers", trial["key"]))
 
 
 def distractors_of(trial: dict) -> tuple[int, ...]:
-    """A trial's `distractors` (the values of the needles not asked for, space-separated in trials.csv; read_csv
-    parses a single one as a number and none as "")."""
-    return tuple(int(v) for v in str(trial.get("distractors", "")).split())
+    """A trial's `distractors`: the values of the needles not asked for."""
+    return csv_values(trial.get("distractors", ""))
 
 
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
