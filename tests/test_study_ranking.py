@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rope_llama.inference.stats import pairwise_table
-from rope_llama.study import plots, tables
+from rope_llama.study import plots, summary, tables
 
 
 def test_against_best_turns_every_pair_with_the_best_into_method_minus_best():
@@ -153,3 +153,36 @@ def test_paired_ppl_skips_a_length_with_one_method():
         for d in range(3)
     ]
     assert tables.paired_ppl(windows, "own", "base", max_len=256) == ([], "")
+
+
+def test_a_task_asking_for_a_list_is_ranked_by_recall_too(tmp_path):
+    """multivalue asks for 4 keys: no method gives all 4 (greedy 0 everywhere, no order), `rerope` gives 2-3 of
+    them, `yarn` 1. Recall ranks rerope first with yarn's paired difference significant; the passkey (one key)
+    and a multivalue file older than the recall column get no recall table."""
+
+    def trial(task, method, depth, recall, answers="11111 22222 33333 44444"):
+        return {"task": task, "model": "base", "seed": 0, "method": method, "length": 512, "depth": depth,
+                "trial": 0, "key": 11111, "answers": answers, "answer": " 11111.", "greedy_correct": 0,
+                "rank_correct": 1, "greedy_recall": recall}  # fmt: skip
+
+    recalls = {"rerope": (0.5, 0.75, 0.5, 0.75), "yarn": (0.25, 0.25, 0.25, 0.25)}
+    trials = [
+        trial("multivalue", m, d, r) for m, rs in recalls.items() for d, r in zip((0.1, 0.4, 0.6, 0.9), rs)
+    ]
+    trials += [trial("passkey", m, d, 1.0, answers="11111") for m in recalls for d in (0.1, 0.9)]
+    accuracy, paired, text = tables.retrieval_tables(trials)
+    by = {(r["task"], r["method"]): r for r in accuracy}
+    assert by["multivalue", "base/rerope"]["recall_mean"] == pytest.approx(0.625)
+    assert "recall_mean" not in by["passkey", "base/rerope"]
+    assert "### multivalue: recall (the share of the asked values the greedy answer gives)" in text
+    assert "| base/rerope | 62% [62%, 62%] |" in text
+    assert "multivalue (recall), base models, T = 512, each method against the best:" in text
+    assert "| 1 | rerope | 0.6250 | best |" in text
+    assert "| 2 | yarn | 0.2500 | -0.375 [-0.500, -0.250] * |" in text
+    assert {r["metric"] for r in paired if r["task"] == "multivalue"} == {"greedy", "ranking", "recall"}
+    assert "passkey (recall)" not in text and "### passkey: recall" not in text
+    summary.retrieval_plots(accuracy, trials, tmp_path)
+    assert (tmp_path / "retrieval_multivalue_recall_depths.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "retrieval_passkey_recall_depths.png").exists()
+    older = [{k: v for k, v in t.items() if k != "greedy_recall"} for t in trials]
+    assert "recall" not in tables.retrieval_tables(older)[2].replace("greedy_recall", "")

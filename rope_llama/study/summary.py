@@ -11,6 +11,7 @@ from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.study.config import StudyConfig, model_and_seed
 from rope_llama.study.plots import plot_corpora, plot_depths
 from rope_llama.study.tables import (
+    RECALL_COLUMN,
     cost_table,
     paired_extensions,
     paired_ppl,
@@ -80,17 +81,25 @@ def summarise(
         if paired_retrieval:  # empty when the base models ran a single retrieval method
             write_csv(out / "paired_retrieval.csv", paired_retrieval)
         text += ["\n## Retrieval\n", md]
-        for task in dict.fromkeys(r["task"] for r in accuracy):
-            rows = [r for r in accuracy if r["task"] == task]
-            plot_vs_length(rows, task, out / f"retrieval_{task}.png")
-            plot_vs_length(rows, task, out / f"retrieval_{task}_ranking.png", metric="ranking")
-            plot_depths(trials, task, out / f"retrieval_{task}_depths.png")
+        retrieval_plots(accuracy, trials, out)
     atomic_write_text(out / "summary.md", "\n".join(text))
     print(
         f"[study] wrote {out / 'summary.md'}, summary.png, paired_ppl.csv"
         + (
-            ", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking|_depths].png"
+            ", retrieval.csv, paired_retrieval.csv, retrieval_<task>[_ranking|_depths|_recall_depths].png"
             if cfg.retrieval
             else ""
         )
     )
+
+
+def retrieval_plots(accuracy: list[dict], trials: list[dict], out: Path) -> None:
+    """Per task (`retrieval_tables` rows, the trials behind them): accuracy vs length, greedy and ranking,
+    greedy accuracy by depth, and recall by depth for a task that asks for a list."""
+    for task in dict.fromkeys(r["task"] for r in accuracy):
+        rows = [r for r in accuracy if r["task"] == task]
+        plot_vs_length(rows, task, out / f"retrieval_{task}.png")
+        plot_vs_length(rows, task, out / f"retrieval_{task}_ranking.png", metric="ranking")
+        plot_depths(trials, task, out / f"retrieval_{task}_depths.png")
+        if "recall_mean" in rows[0]:  # all-or-nothing answers are rare there: recall differs
+            plot_depths(trials, task, out / f"retrieval_{task}_recall_depths.png", column=RECALL_COLUMN)

@@ -260,6 +260,12 @@ RETRIEVAL_METRICS = (("greedy", "greedy_correct"), ("ranking", "rank_correct"))
 # differences can order methods whose greedy accuracies tie. trials.csv files older than it lack it.
 MARGIN_COLUMN = "first_margin"
 
+# The share of the asked values the greedy answer gives (RULER's string_match_all): the score of a task that
+# asks for a list (multiquery, multivalue), where an all-or-nothing greedy answer is rare for every method
+RECALL_COLUMN = "greedy_recall"
+# metrics shown as a mean over prompts with the range of the seeds' means (no Wilson interval: not 0/1)
+MEAN_METRICS = ("margin", "recall")
+
 
 def seed_means(rows: list[dict], column: str) -> list[float]:
     """The mean of `column` over each seed's rows, one value per seed, in the order of the seeds."""
@@ -292,6 +298,16 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
     -> (accuracy rows, paired rows, markdown)."""
     has_margin = all(MARGIN_COLUMN in t for t in trials)
+    # tasks whose prompts ask for several values get recall beside the all-or-nothing greedy accuracy
+    by_task = defaultdict(list)
+    for t in trials:
+        by_task[t["task"]].append(t)
+    lists = {task for task, ts in by_task.items()
+             if all(RECALL_COLUMN in t for t in ts) and any(len(answers_of(t)) > 1 for t in ts)}  # fmt: skip
+
+    def mean_metrics(task: str) -> tuple:  # the metrics of `task` shown as means (MEAN_METRICS)
+        return (("margin", MARGIN_COLUMN),) * has_margin + (("recall", RECALL_COLUMN),) * (task in lists)
+
     # each greedy miss's kind from the answer itself, so studies scored before passkey.py wrote it get it too
     # (read_csv may have parsed an all-digit answer as a number: its digits are what greedy_miss reads)
     has_answers = all("answer" in t and "key" in t for t in trials)
@@ -312,10 +328,10 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
             low, high = wilson_interval(correct, len(rows))
             row |= {f"{name}_acc": correct / len(rows), f"{name}_low": low, f"{name}_high": high,
                     f"{name}_seed_min": min(seed_acc), f"{name}_seed_max": max(seed_acc)}  # fmt: skip
-        if has_margin:
-            seed_margin = seed_means(rows, MARGIN_COLUMN)
-            row |= {"margin_mean": float(np.mean([r[MARGIN_COLUMN] for r in rows])),
-                    "margin_seed_min": min(seed_margin), "margin_seed_max": max(seed_margin)}  # fmt: skip
+        for name, column in mean_metrics(task):
+            seed_mean = seed_means(rows, column)
+            row |= {f"{name}_mean": float(np.mean([r[column] for r in rows])),
+                    f"{name}_seed_min": min(seed_mean), f"{name}_seed_max": max(seed_mean)}  # fmt: skip
         if has_answers:
             row |= miss_shares(rows)
         accuracy.append(row)
@@ -325,16 +341,15 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     base_trials = defaultdict(list)  # (task, length) -> the base models' trials, paired across methods
     for t in base_only:
         base_trials[t["task"], t["length"]].append(t)
-    metrics = RETRIEVAL_METRICS + ((("margin", MARGIN_COLUMN),) if has_margin else ())
     for task in sorted(dict.fromkeys(r["task"] for r in accuracy), key=headline_first):
         sel = [r for r in accuracy if r["task"] == task]
         lengths = sorted({r["length"] for r in sel})
-        for name, column in metrics:
-            title = (
-                "first-token margin (nats), mean over prompts [range of the seeds' means]"
-                if name == "margin"
-                else f"{name} accuracy, pooled over seeds [Wilson 95%]"
-            )
+        for name, column in RETRIEVAL_METRICS + mean_metrics(task):
+            title = {
+                "margin": "first-token margin (nats), mean over prompts [range of the seeds' means]",
+                "recall": "recall (the share of the asked values the greedy answer gives), mean over prompts "
+                "[range of the seeds' means]",
+            }.get(name, f"{name} accuracy, pooled over seeds [Wilson 95%]")
             text += [f"\n### {task}: {title}\n", *table_head(lengths)]
             for method in dict.fromkeys(r["method"] for r in sel):
                 cell = {r["length"]: r for r in sel if r["method"] == method}
@@ -376,7 +391,7 @@ def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
                 text += [
                     f"\n{task} ({name}), base models, T = {length}: significant orderings (95%): {orderings(table)}",
                     f"\n{task} ({name}), base models, T = {length}, each method against the best:\n",
-                    against_best_markdown(ranking, "mean" if name == "margin" else "accuracy"),
+                    against_best_markdown(ranking, "mean" if name in MEAN_METRICS else "accuracy"),
                 ]
     return accuracy, paired, "\n".join(text) + "\n"
 
@@ -392,7 +407,8 @@ def table_head(lengths: list[int]) -> list[str]:
 
 
 def retrieval_cell(row: dict, name: str) -> str:
-    """One table cell: an accuracy with its Wilson interval, or the mean margin with its seed range."""
-    if name == "margin":
-        return f"{row['margin_mean']:+.2f} [{row['margin_seed_min']:+.2f}, {row['margin_seed_max']:+.2f}]"
+    """One table cell: an accuracy with its Wilson interval, or the mean margin or recall with its seed range."""
+    if name in MEAN_METRICS:
+        form = "+.2f" if name == "margin" else ".0%"
+        return f"{row[f'{name}_mean']:{form}} [{row[f'{name}_seed_min']:{form}}, {row[f'{name}_seed_max']:{form}}]"
     return f"{row[f'{name}_acc']:.0%} [{row[f'{name}_low']:.0%}, {row[f'{name}_high']:.0%}]"
