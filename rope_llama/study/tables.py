@@ -293,9 +293,10 @@ def distractors_of(trial: dict) -> tuple[int, ...]:
 
 def retrieval_tables(trials: list[dict]) -> tuple[list[dict], list[dict], str]:
     """Greedy and ranking accuracy per (task, model/method, length) pooled over seeds, each with its
-    Wilson 95% interval and the range of the per-seed accuracies, and the mean first-token margin with
-    its range over seeds (when every trial has one); paired differences of each between the base
-    model's methods on the same prompts (units = prompts, clusters = (seed, depth)).
+    Wilson 95% interval and the range of the per-seed accuracies, the mean first-token margin with
+    its range over seeds (when every trial has one) and, for a task that asks for a list, the mean recall
+    the same way; paired differences of each between the base model's methods on the same prompts
+    (units = prompts, clusters = (seed, depth)).
     -> (accuracy rows, paired rows, markdown)."""
     has_margin = all(MARGIN_COLUMN in t for t in trials)
     # tasks whose prompts ask for several values get recall beside the all-or-nothing greedy accuracy
