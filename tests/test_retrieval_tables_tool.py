@@ -21,7 +21,8 @@ def trials_csv(folder, method, length, recalls, task="multivalue"):
 def test_two_folders_and_a_reference_make_one_ranked_comparison(tmp_path, capsys):
     """rerope (folder a) and yarn (folder b) at 1024, none (in window) at 512. Folder b also holds ntk, stopped
     after three depths: depth 0.9 drops out of the 1024 comparison for every method, so rerope's recall is
-    over 0.1 / 0.4 / 0.6 (0.5, 0.75, 0.5) and the pairs stay paired."""
+    over 0.1 / 0.4 / 0.6 (0.5, 0.75, 0.5) and the pairs stay paired. A fourth folder answered rerope's prompts
+    again: a's are kept."""
     trials_csv(tmp_path / "a", "rerope", 1024, (0.5, 0.75, 0.5, 1.0))
     trials_csv(tmp_path / "b", "yarn", 1024, (0.25, 0.25, 0.25, 0.25))
     rows = (tmp_path / "b" / "trials.csv").read_text().splitlines()
@@ -29,9 +30,11 @@ def test_two_folders_and_a_reference_make_one_ranked_comparison(tmp_path, capsys
         "\n".join(rows + [r.replace("yarn", "ntk") for r in rows[1:4]]) + "\n"
     )
     trials_csv(tmp_path / "ref", "none", 512, (0.25, 0.25, 0.0, 0.25))
+    trials_csv(tmp_path / "again", "rerope", 1024, (0.0, 0.0, 0.0, 0.0))  # the same prompts, read from a only
     out = tmp_path / "tables"
-    main([f"out={out}", f"runs={tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'ref'}"])
+    main([f"out={out}", f"runs={tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'ref'},{tmp_path / 'again'}"])
     printed = capsys.readouterr().out
+    assert "4 prompts answered again in a later folder of runs= are read from the first" in printed
     assert "multivalue at 1024: 3 prompts answered by every method (of up to 4)" in printed
     assert "multivalue at 512: 4 prompts answered by every method (of up to 4)" in printed
     summary = (out / "summary.md").read_text()

@@ -10,7 +10,7 @@ intervals, the first-token margin, recall for a task that asks for a list, each 
 method over depth clusters), out/retrieval.csv, out/paired_retrieval.csv and study/summary.py's pictures
 (`retrieval_<task>_depths.png`, `_recall_depths.png`, ...). A prompt some method lacks (a loop stopped
 mid-depth) is left out of its (task, length) for every method, so the pairs stay paired; how many were kept
-is printed.
+is printed. A prompt two folders answered for the same method is read from the first.
 """
 
 from __future__ import annotations
@@ -60,9 +60,24 @@ def common_prompts(trials: list[dict]) -> tuple[list[dict], dict]:
     return kept, counts
 
 
+def first_answers(trials: list[dict]) -> list[dict]:
+    """Each (task, length, method, depth, trial) once, from the first run that answered it: two folders holding
+    the same method's prompt would count it twice and break the pairing."""
+    seen, kept = set(), []
+    for t in trials:
+        prompt = (t["task"], t["length"], t["method"], t["depth"], t["trial"])
+        if prompt not in seen:
+            seen.add(prompt)
+            kept.append(t)
+    return kept
+
+
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    trials = [t for run in args["runs"] for t in read_csv(run / "trials.csv", model="base", seed=0)]
+    read = [t for run in args["runs"] for t in read_csv(run / "trials.csv", model="base", seed=0)]
+    trials = first_answers(read)
+    if dropped := len(read) - len(trials):
+        print(f"{dropped} prompts answered again in a later folder of runs= are read from the first")
     trials, counts = common_prompts(trials)
     for (task, length), (kept, most) in sorted(counts.items()):
         print(f"{task} at {length}: {kept} prompts answered by every method (of up to {most})")
