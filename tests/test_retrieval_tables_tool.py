@@ -3,6 +3,7 @@
 import pytest
 
 from rope_llama.inference.reporting import write_csv
+from rope_llama.study.tables import read_csv
 from tools.retrieval_tables import common_prompts, main
 
 
@@ -71,3 +72,25 @@ def test_bad_arguments_are_one_sentence_and_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_held_out_families_are_pooled_as_the_headline(tmp_path):
+    """Two held-out families, one folder per method: each family keeps its own row and the pooled `heldout`
+    row counts both families' prompts (rerope: 1, 1, 0, 0 and 1, 0, 0, 0 -> 3 of 8)."""
+    for folder, method, correct in (("a", "rerope", (1, 1, 0, 0, 1, 0, 0, 0)), ("b", "yarn", (1,) * 8)):
+        rows = [
+            {"task": task, "method": method, "length": 1024, "depth": depth, "trial": 0, "key": 11111,
+             "answer": " 11111.", "greedy_correct": c, "rank_correct": 1, "first_margin": 1.0}
+            for (task, depth), c in zip([(t, d) for t in ("heldout_prose", "heldout_list") for d in (0.1, 0.4, 0.6, 0.9)], correct)
+        ]  # fmt: skip
+        (tmp_path / folder).mkdir()
+        write_csv(tmp_path / folder / "trials.csv", rows)
+    out = tmp_path / "tables"
+    main([f"out={out}", f"runs={tmp_path / 'a'},{tmp_path / 'b'}"])
+    accuracy = {(r["task"], r["method"]): r for r in read_csv(out / "retrieval.csv")}
+    assert accuracy["heldout", "base/rerope"]["greedy_acc"] == 3 / 8
+    assert (
+        accuracy["heldout", "base/rerope"]["trials"] == 8
+        and accuracy["heldout", "base/yarn"]["greedy_acc"] == 1
+    )
+    assert accuracy["heldout_prose", "base/rerope"]["greedy_acc"] == 1 / 2

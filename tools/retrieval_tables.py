@@ -10,7 +10,8 @@ intervals, the first-token margin, recall for a task that asks for a list, each 
 method over depth clusters), out/retrieval.csv, out/paired_retrieval.csv and study/summary.py's pictures
 (`retrieval_<task>_depths.png`, `_recall_depths.png`, ...). A prompt some method lacks (a loop stopped
 mid-depth) is left out of its (task, length) for every method, so the pairs stay paired; how many were kept
-is printed. A prompt two folders answered for the same method is read from the first.
+is printed. A prompt two folders answered for the same method is read from the first. The held-out families'
+trials are also pooled as task `heldout`, the suite's headline, as the study's summary does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from rope_llama.core.checkpoint import atomic_write_text
 from rope_llama.inference.reporting import write_csv
+from rope_llama.inference.retrieval import pooled_heldout
 from rope_llama.study.summary import retrieval_plots
 from rope_llama.study.tables import read_csv, retrieval_tables
 
@@ -81,6 +83,7 @@ def main(argv: list[str]) -> None:
     trials, counts = common_prompts(trials)
     for (task, length), (kept, most) in sorted(counts.items()):
         print(f"{task} at {length}: {kept} prompts answered by every method (of up to {most})")
+    trials += pooled_heldout(trials)  # after the common prompts, so the pooled pairs stay paired too
     accuracy, paired, markdown = retrieval_tables(trials)
     out = args["out"]
     out.mkdir(parents=True, exist_ok=True)
