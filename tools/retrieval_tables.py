@@ -20,6 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from rope_llama.cli.errors import one_sentence_errors
 from rope_llama.core.checkpoint import atomic_write_text
 from rope_llama.inference.reporting import write_csv
 from rope_llama.inference.retrieval import pooled_heldout
@@ -29,24 +30,20 @@ from rope_llama.study.tables import read_csv, retrieval_tables
 OPTIONS = ("out", "runs")
 
 
-def refuse(sentence: str):
-    """Bad input: one sentence on stderr, exit 2."""
-    print(f"error: {sentence}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse(argv: list[str]) -> dict:
-    """key=value arguments -> {"out": Path, "runs": [Path, ...]}, or one sentence and exit 2."""
+    """key=value arguments -> {"out": Path, "runs": [Path, ...]}; bad ones raise ValueError (one sentence)."""
     if malformed := [a for a in argv if "=" not in a]:
-        refuse(f"arguments are key=value ({', '.join(OPTIONS)}), got {malformed[0]!r}.")
+        raise ValueError(f"arguments are key=value ({', '.join(OPTIONS)}), got {malformed[0]!r}.")
     args = dict(item.split("=", 1) for item in argv)
     if unknown := sorted(set(args) - set(OPTIONS)):
-        refuse(f"unknown options {unknown}; options are {', '.join(OPTIONS)}.")
+        raise ValueError(f"unknown options {unknown}; options are {', '.join(OPTIONS)}.")
     if not args.get("out") or not args.get("runs"):
-        refuse("out=<directory> and runs=<folder>[,<folder> ...] are both required.")
+        raise ValueError("out=<directory> and runs=<folder>[,<folder> ...] are both required.")
     runs = [Path(r) for r in args["runs"].split(",")]
     if missing := [str(r) for r in runs if not (r / "trials.csv").is_file()]:
-        refuse(f"no trials.csv in {', '.join(missing)}; runs= takes scripts/passkey.py out folders.")
+        raise ValueError(
+            f"no trials.csv in {', '.join(missing)}; runs= takes scripts/passkey.py out folders."
+        )
     return {"out": Path(args["out"]), "runs": runs}
 
 
@@ -74,6 +71,7 @@ def first_answers(trials: list[dict]) -> list[dict]:
     return kept
 
 
+@one_sentence_errors
 def main(argv: list[str]) -> None:
     args = parse(argv)
     read = [t for run in args["runs"] for t in read_csv(run / "trials.csv", model="base", seed=0)]
